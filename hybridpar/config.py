@@ -1,0 +1,185 @@
+"""The run's configuration: a tree of typed dataclasses, one per section, every field with a one-line docstring.
+
+Sections: model, parallel, train, optim, data, checkpoint, logging (with logging.wandb), run. Each validates its
+own fields in __post_init__; `Config.__post_init__` checks what spans sections (batch arithmetic, sequence length
+against the model's context). What depends on the world size is checked by hybridpar.distributed when the mesh is
+built, still before any model exists. Loading from YAML and the command line lives in hybridpar.config_cli.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from hybridpar.models.config import ModelConfig, doc
+
+
+def _positive(section: str, **values) -> None:
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            raise ValueError(f"{section}.{name}={v} must be > 0")
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = doc(1, "data-parallel replicas (HSDP replicate axis, usually across node groups)")
+    dp_shard: int = doc(-1, "data-parallel shards (FSDP axis); -1 fills world / (dp_replicate * tp)")
+    tp: int = doc(1, "tensor-parallel degree, inside a node (the innermost mesh axis)")
+    backend: Optional[str] = doc(None, "process-group backend; None = nccl on CUDA, gloo on CPU")
+
+    def __post_init__(self):
+        for name in ("dp_replicate", "dp_shard", "tp"):
+            v = getattr(self, name)
+            if v == 0 or v < -1:
+                raise ValueError(f"parallel.{name}={v} must be a positive degree or -1 (fill the rest)")
+        if [self.dp_replicate, self.dp_shard, self.tp].count(-1) > 1:
+            raise ValueError("only one of parallel.dp_replicate, dp_shard, tp may be -1")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = doc(200, "optimizer steps to run")
+    micro_batch_size: int = doc(32, "sequences per microbatch per data-parallel rank")
+    global_batch_size: int = doc(32, "sequences per optimizer step, all ranks and microbatches together")
+    seq_len: int = doc(128, "tokens per training sequence (at most model.max_seq_len)")
+    seed: int = doc(1234, "seed of initialisation, data order and dropout")
+    precision: Optional[Literal["fp32", "bf16"]] = doc(
+        None, "fp32, or bf16 compute with fp32 master weights and reductions; None = bf16 on GPUs that support it, fp32 on CPU")
+    device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu")
+    activation_checkpointing: bool = doc(False, "recompute each block's activations in backward (saves memory, costs ~1/3 more compute)")
+    compile: bool = doc(False, "torch.compile each transformer block")
+    grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables clipping")
+    eval_interval: int = doc(50, "run validation every this many steps (and at the first and last step); 0 = never")
+    eval_batches: int = doc(8, "microbatches of the validation split per evaluation")
+    sample_tokens: int = doc(120, "tokens to sample at the end of the run; 0 = no sample")
+    sample_prompt: str = doc("The ", "prompt of the end-of-run sample")
+    sample_temperature: float = doc(0.8, "sampling temperature; 0 = greedy")
+
+    def __post_init__(self):
+        _positive("train", steps=self.steps, micro_batch_size=self.micro_batch_size,
+                  global_batch_size=self.global_batch_size, seq_len=self.seq_len, eval_batches=self.eval_batches)
+        if self.precision not in (None, "fp32", "bf16"):
+            raise ValueError(f"train.precision={self.precision!r}: use fp32 or bf16")
+        if self.grad_clip < 0 or self.eval_interval < 0 or self.sample_tokens < 0 or self.sample_temperature < 0:
+            raise ValueError("train.grad_clip, eval_interval, sample_tokens and sample_temperature must be >= 0")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(3e-3, "peak learning rate")
+    min_lr: float = doc(3e-4, "learning rate at the end of the decay")
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = doc(
+        "cosine", "after warmup: cosine or linear decay to min_lr, constant, or warmup-stable-decay")
+    warmup_steps: int = doc(20, "linear warmup from 0 to lr over this many steps")
+    decay_steps: Optional[int] = doc(None, "wsd: length of the final linear decay; None = 20% of train.steps")
+    weight_decay: float = doc(0.1, "AdamW decoupled weight decay, applied to matrices only (not biases, norms)")
+    beta1: float = doc(0.9, "AdamW beta1")
+    beta2: float = doc(0.95, "AdamW beta2")
+    eps: float = doc(1e-8, "AdamW epsilon")
+    fused: Optional[bool] = doc(None, "fused AdamW kernel; None = on where the device supports it")
+
+    def __post_init__(self):
+        _positive("optim", lr=self.lr, eps=self.eps, decay_steps=self.decay_steps)
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ValueError("optim.warmup_steps and optim.weight_decay must be >= 0")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    path: str = doc("builtin", "training text: 'builtin' (Python's own documentation) or a UTF-8 text file")
+    tokenizer: str = doc("train-bpe:4096", "'bytes' (256 tokens), 'bpe:PATH' (tokenizer.json) or 'train-bpe:N' (train an N-token byte-level BPE on the corpus, cached)")
+    split: str = doc("95,5,0", "train,valid,test weights of the corpus, in document order")
+    cache_dir: str = doc("~/.cache/hybridpar", "where the built corpus, tokenizers and token arrays are cached")
+
+    def __post_init__(self):
+        parts = self.split.split(",")
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            weights = []
+        if len(weights) != 3 or min(weights) < 0 or weights[0] <= 0 or weights[1] <= 0:
+            raise ValueError(f"data.split={self.split!r}: give three weights train,valid,test with train and valid > 0, e.g. 98,1,1")
+
+    @property
+    def split_fractions(self) -> tuple[float, float, float]:
+        w = [float(p) for p in self.split.split(",")]
+        return w[0] / sum(w), w[1] / sum(w), w[2] / sum(w)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = doc(0, "save every this many steps; 0 = no periodic saves")
+    keep_last: int = doc(2, "checkpoints to keep")
+    load: Optional[str] = doc(None, "checkpoint to start from")
+
+    def __post_init__(self):
+        if self.interval < 0 or self.keep_last < 1:
+            raise ValueError("checkpoint.interval must be >= 0 and checkpoint.keep_last >= 1")
+
+
+@dataclass
+class WandbConfig:
+    mode: Literal["online", "offline", "disabled"] = doc("disabled", "W&B mode; offline writes a run to sync later with `wandb sync`")
+    project: str = doc("hybridpar", "W&B project")
+    entity: Optional[str] = doc(None, "W&B entity (team or user)")
+    name: Optional[str] = doc(None, "W&B run name; None = run.name")
+    group: Optional[str] = doc(None, "W&B group")
+    tags: list[str] = doc([], "W&B tags (comma-separated on the command line)")
+    dir: Optional[str] = doc(None, "where W&B writes; None = <run.dir>")
+
+
+@dataclass
+class LoggingConfig:
+    interval: int = doc(10, "log metrics every this many steps (and at the last step)")
+    wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "Weights & Biases"})
+
+    def __post_init__(self):
+        _positive("logging", interval=self.interval)
+
+
+@dataclass
+class RunConfig:
+    dir: Optional[str] = doc(None, "run directory (config.yaml, metrics.jsonl, ...); None = runs/<name>")
+    name: Optional[str] = doc(None, "run name; None = <model.name>-<date>-<time>")
+    overwrite: bool = doc(False, "allow a run.dir that already holds a run's metrics (they are replaced)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "architecture"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "device mesh"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "training loop"})
+    optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer and LR schedule"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpoints"})
+    logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "metrics and logging"})
+    run: RunConfig = field(default_factory=RunConfig, metadata={"help": "run identity and directory"})
+
+    def __post_init__(self):
+        t = self.train
+        if t.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={self.model.max_seq_len} of "
+                             f"{self.model.name}; lower train.seq_len or raise model.max_seq_len")
+        if t.global_batch_size % t.micro_batch_size:
+            raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                             f"train.micro_batch_size={t.micro_batch_size}")
+        if self.optim.schedule == "wsd" and self.optim.decay_steps and self.optim.decay_steps > t.steps:
+            raise ValueError(f"optim.decay_steps={self.optim.decay_steps} exceeds train.steps={t.steps}")
+
+    def check_world(self, dp_size: int) -> None:
+        """Batch arithmetic that needs the data-parallel size of the mesh."""
+        t = self.train
+        if t.global_batch_size % (t.micro_batch_size * dp_size):
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+                f"{t.micro_batch_size} x data-parallel size {dp_size}; use a multiple of "
+                f"{t.micro_batch_size * dp_size}")
+
+    def grad_accum_steps(self, dp_size: int) -> int:
+        """Microbatches per optimizer step on each data-parallel rank."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * dp_size)

@@ -1,0 +1,274 @@
+"""Config from YAML files and `--section.field VALUE` overrides, with errors that name the value and the fix.
+
+Precedence, lowest first: dataclass defaults, the `model.name` preset, the `--config` YAML file, the command line.
+The resolved config dumps to YAML that is itself a valid `--config` file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from hybridpar.config import Config
+from hybridpar.models import get_model_config
+from hybridpar.models.config import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A user's config mistake: printed as one line, exit status 2."""
+
+
+_TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+
+
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return " | ".join(map(str, args))
+    if origin is Union:
+        return " | ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if origin is list:
+        return f"list[{_type_name(args[0])}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(key: str, value: Any, tp) -> Any:
+    """Convert a YAML value or a command-line string to the field's type, or raise ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    from_cli = isinstance(value, str)
+    fail = ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}; expected {_type_name(tp)}")
+    if origin is Union:  # Optional[X]
+        if value is None or (from_cli and value.lower() in ("none", "null", "")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        for a in inner:
+            try:
+                return _convert(key, value, a)
+            except ConfigError:
+                pass
+        raise fail
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin is list:
+        items = [v.strip() for v in value.split(",") if v.strip()] if from_cli else value
+        if not isinstance(items, list):
+            raise fail
+        return [_convert(key, v, args[0]) for v in items]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise fail
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise fail
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise fail
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise fail
+    raise fail
+
+
+def _unknown(key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else "see --help for the valid names"
+    return ConfigError(f"unknown config key {key!r}; {hint}")
+
+
+def all_keys(cls=Config, prefix: str = "") -> list[str]:
+    """Every leaf key, dotted (e.g. 'logging.wandb.mode')."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += all_keys(tp, f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _build(cls, values: dict, prefix: str):
+    """Instantiate dataclass `cls` from a nested dict whose leaves are YAML values or CLI strings."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
+    hints, names = _hints(cls), [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise _unknown(prefix + key, all_keys())
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _convert(prefix + key, value, tp)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _build_model(values: dict) -> ModelConfig:
+    """The model section: start from the preset named by `name`, then apply the other fields."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"model must be a mapping, got {values!r}")
+    hints = _hints(ModelConfig)
+    name = _convert("model.name", values.get("name", "tiny"), str)
+    overrides = {}
+    for key, value in values.items():
+        if key == "name":
+            continue
+        if key not in hints:
+            raise _unknown("model." + key, all_keys())
+        overrides[key] = _convert("model." + key, value, hints[key])
+    try:
+        return get_model_config(name, **overrides)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = tree.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        tree = node
+    tree[leaf] = value
+
+
+def parse_overrides(argv: list[str]) -> tuple[str | None, dict]:
+    """Split argv into the --config path and a nested dict of `--a.b VALUE` / `--a.b=VALUE` overrides."""
+    keys, config_path, tree = set(all_keys()), None, {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field VALUE")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if key in keys and _is_bool(key) and (nxt is None or nxt.startswith("--")):
+                value = "true"  # a bare boolean flag
+            elif nxt is None:
+                raise ConfigError(f"--{key} needs a value")
+            else:
+                value, i = nxt, i + 1
+        i += 1
+        if key == "config":
+            config_path = value
+            continue
+        if key not in keys:
+            raise _unknown(key, sorted(keys | {"config"}))
+        _set(tree, key, value)
+    return config_path, tree
+
+
+def _is_bool(key: str) -> bool:
+    cls, *path, leaf = [Config, *key.split(".")]
+    for p in path:
+        cls = _hints(cls)[p]
+    return _hints(cls).get(leaf) is bool
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(argv: list[str]) -> Config:
+    """The Config from `--config FILE` and overrides in argv. Raises ConfigError for any user mistake."""
+    config_path, overrides = parse_overrides(argv)
+    tree: dict = {}
+    if config_path is not None:
+        path = Path(config_path)
+        if not path.is_file():
+            raise ConfigError(f"--config {config_path}: no such file; the shipped configs are in configs/")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config {config_path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"--config {config_path} must hold a mapping of sections")
+    tree = _merge(tree, overrides)
+    return config_from_dict(tree)
+
+
+def config_from_dict(tree: dict) -> Config:
+    """Build and validate a Config from a nested dict (as YAML gives it)."""
+    sections = {f.name for f in dataclasses.fields(Config)}
+    for key in tree:
+        if key not in sections:
+            raise _unknown(key, sorted(sections))
+    kwargs = {"model": _build_model(tree.get("model") or {})}
+    hints = _hints(Config)
+    for name in sections - {"model"}:
+        kwargs[name] = _build(hints[name], tree.get(name) or {}, name + ".")
+    try:
+        return Config(**kwargs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def help_text(prog: str = "launch/pretrain_gpt.py") -> str:
+    """Every field with its type, default and docstring, section by section."""
+    lines = [f"usage: python {prog} [--config FILE.yaml] [--section.field VALUE ...]", "",
+             "  --config FILE          YAML file of sections (see configs/); command-line values override it",
+             "  -h, --help             show this message", ""]
+
+    def walk(cls, default, prefix):
+        for f in dataclasses.fields(cls):
+            tp, value = _hints(cls)[f.name], getattr(default, f.name)
+            if dataclasses.is_dataclass(tp):
+                lines.append(f"{prefix}{f.name}: {f.metadata.get('help', '')}")
+                walk(tp, value, f"{prefix}{f.name}.")
+                lines.append("")
+                continue
+            lines.append(f"  --{prefix}{f.name} {_type_name(tp).upper() if tp is not bool else '[BOOL]'}")
+            lines.append(f"      {f.metadata.get('help', '')} (default: {value!r})")
+
+    lines.append("model: architecture; model.name picks a zoo preset (python launch/model_zoo.py), the other fields override it")
+    walk(ModelConfig, ModelConfig(), "model.")
+    lines.append("")
+    for f in dataclasses.fields(Config):
+        if f.name != "model":
+            lines.append(f"{f.name}: {f.metadata.get('help', '')}")
+            walk(_hints(Config)[f.name], getattr(Config(), f.name), f"{f.name}.")
+            lines.append("")
+    return "\n".join(lines)

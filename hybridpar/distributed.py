@@ -1,0 +1,94 @@
+"""Process group and device mesh: the one place that reads the launcher's environment and builds the mesh.
+
+The mesh has three axes, outermost first: dp_replicate x dp_shard x tp. tp is innermost so that a tensor-parallel
+group is a block of consecutive ranks, i.e. inside one node with its fast links; the data-parallel axes span nodes.
+A single process (no launcher) gets a world of one, with a real gloo process group on an in-memory store, so the
+trainer always runs on a mesh and the single-process path is the distributed path with degrees 1.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hybridpar.config import ParallelConfig
+
+MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def world_from_env(env=os.environ) -> WorldInfo:
+    """Rank and world from torchrun's variables, else SLURM's (srun without torchrun), else a world of one."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return WorldInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                         int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        ntasks = int(env["SLURM_NTASKS"])
+        local = int(env.get("SLURM_NTASKS_PER_NODE", str(ntasks)).split("(")[0])
+        return WorldInfo(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", 0)), local)
+    return WorldInfo(0, 1, 0, 1)
+
+
+def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, tp) with a -1 filled in; ValueError listing every factor if they don't multiply."""
+    degrees = [cfg.dp_replicate, cfg.dp_shard, cfg.tp]
+    if -1 in degrees:
+        known = 1
+        for d in degrees:
+            known *= d if d != -1 else 1
+        if world_size % known:
+            raise ValueError(f"world size {world_size} is not divisible by the fixed degrees "
+                             f"{_describe(degrees)}; choose degrees whose product divides {world_size}")
+        degrees[degrees.index(-1)] = world_size // known
+    if degrees[0] * degrees[1] * degrees[2] != world_size:
+        raise ValueError(f"parallel degrees {_describe(degrees)} multiply to {degrees[0] * degrees[1] * degrees[2]}, "
+                         f"but the world has {world_size} processes; make dp_replicate*dp_shard*tp = {world_size} "
+                         f"or set one of them to -1")
+    return degrees[0], degrees[1], degrees[2]
+
+
+def _describe(degrees) -> str:
+    return ", ".join(f"{n}={d}" for n, d in zip(MESH_AXES, degrees))
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("train.device=cuda but no CUDA device is visible; use --train.device cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_mesh(cfg: ParallelConfig, device: torch.device, world: WorldInfo) -> DeviceMesh:
+    """Start the process group (if not started) and build the 3-axis mesh."""
+    degrees = resolve_degrees(cfg, world.world_size)
+    if not dist.is_initialized():
+        backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if world.world_size == 1 and "MASTER_ADDR" not in os.environ:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend, rank=world.rank, world_size=world.world_size)
+    return init_device_mesh(device.type, degrees, mesh_dim_names=MESH_AXES)
+
+
+def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
+    """This rank's index in the flattened data-parallel axes (dp_replicate x dp_shard), and their size."""
+    r, s = mesh["dp_replicate"], mesh["dp_shard"]
+    return r.get_local_rank() * s.size() + s.get_local_rank(), r.size() * s.size()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

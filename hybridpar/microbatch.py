@@ -1,0 +1,70 @@
+"""The pipeline-free microbatch scheduler: hybridpar's counterpart of Megatron's forward_backward_no_pipelining.
+
+One optimizer step runs the rank's microbatches forward and backward in turn. Two rules make accumulation exact:
+- The loss of each microbatch is its *sum* of token losses divided by the number of target tokens of the whole
+  global batch (all microbatches of all data-parallel ranks), so the accumulated gradient is the gradient of the
+  global batch's mean token loss, whatever the split into microbatches or ranks. Averaging per microbatch would
+  weight a short-target microbatch like a full one.
+- Gradients are synchronised across data-parallel ranks only on the last microbatch: a model with
+  `set_requires_gradient_sync` (FSDP2) skips its reduce-scatter on the others.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the cross entropies of logits (B, T, V) against targets (B, T); IGNORE_INDEX targets count zero.
+    Computed in fp32 whatever the logits' dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def count_target_tokens(microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    return sum(int((y != IGNORE_INDEX).sum()) for _, y in microbatches)
+
+
+def forward_backward_no_pipelining(
+    model: nn.Module,
+    microbatches: list[tuple[torch.Tensor, torch.Tensor]],
+    num_global_tokens: int,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+    grad_scale: float = 1.0,
+    autocast=nullcontext,
+) -> torch.Tensor:
+    """Forward and backward over this rank's microbatches of one global batch; gradients accumulate in .grad.
+
+    Args:
+        model: the (parallelized) model; called as model(inputs) -> logits.
+        microbatches: this rank's (inputs, targets) pairs, each (b, T), on any device.
+        num_global_tokens: target tokens of the whole global batch, all ranks together.
+        device: where to move each microbatch.
+        loss_fn: (logits, targets) -> summed token loss.
+        grad_scale: multiplies the backward loss; a data-parallel wrapper that averages gradients over dp ranks
+            passes dp_size here so the average becomes the sum the global mean needs.
+        autocast: a context-manager factory for mixed precision.
+    Returns:
+        This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
+        ranks gives the global batch's mean loss). No host sync happens here.
+    """
+    total = torch.zeros((), device=device)
+    n = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(i == n - 1)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with autocast():
+            logits = model(x)
+        loss = loss_fn(logits, y) / num_global_tokens
+        (loss * grad_scale).backward()
+        total += loss.detach()
+    return total

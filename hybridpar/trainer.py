@@ -1,0 +1,183 @@
+"""The trainer: one loop for every layout. It takes a device mesh and a parallelize function; the data loader
+takes the data-parallel rank and size; hooks receive the trainer after each step (checkpointing, extra logging).
+
+Host syncs: the step itself never calls .item(); losses and gradient norms stay on the device until a log step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hybridpar.config import Config
+from hybridpar.data import DataParallelBatches, TokenWindows, load_corpus, validation_batches
+from hybridpar.distributed import dp_rank_size
+from hybridpar.lr_schedule import lr_at
+from hybridpar.metrics import MetricsLogger
+from hybridpar.microbatch import count_target_tokens, forward_backward_no_pipelining, token_loss_sum
+from hybridpar.models import build_model, count_params
+from hybridpar.optim import build_optimizer, clip_grad_norm
+from hybridpar.parallel import parallelize_gpt
+from hybridpar.sampling import generate
+
+
+class Hook(Protocol):
+    def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
+    def on_train_end(self, trainer: "Trainer") -> None: ...
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    val_losses: dict[int, float] = field(default_factory=dict)
+    unigram_loss: float = float("nan")
+    sample: str = ""
+    wall_time: float = 0.0
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> str:
+    if cfg.train.precision is not None:
+        return cfg.train.precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+class Trainer:
+    def __init__(self, cfg: Config, mesh: DeviceMesh, device: torch.device, run_dir: Path,
+                 parallelize: Callable[[nn.Module, DeviceMesh, Config], nn.Module] = parallelize_gpt,
+                 hooks: list[Hook] = (), logger: MetricsLogger | None = None):
+        self.cfg, self.mesh, self.device, self.run_dir, self.hooks = cfg, mesh, device, run_dir, list(hooks)
+        self.rank = dist.get_rank()
+        self.dp_rank, self.dp_size = dp_rank_size(mesh)
+        cfg.check_world(self.dp_size)
+        self.log = logger  # opened by fit(): constructing a Trainer writes nothing into run_dir
+
+        # Data first: the tokenizer's vocabulary must fit the model before anything is built.
+        self.corpus = load_corpus(cfg.data)
+        tok = self.corpus.tokenizer
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise ValueError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model.vocab_size="
+                             f"{cfg.model.vocab_size}; set --model.vocab_size {128 * math.ceil(tok.vocab_size / 128)}")
+        t = cfg.train
+        self.batches = DataParallelBatches(TokenWindows(self.corpus.train, t.seq_len, t.seed), t.global_batch_size,
+                                           t.micro_batch_size, self.dp_rank, self.dp_size)
+        self.val_batches = validation_batches(TokenWindows(self.corpus.valid, t.seq_len, t.seed, shuffle=False),
+                                              t.eval_batches, t.micro_batch_size, self.dp_rank, self.dp_size)
+
+        # Model: built on meta, parallelized, materialised, initialised from the seed.
+        torch.manual_seed(t.seed)
+        model = build_model(cfg.model, device="meta")
+        self.model = parallelize(model, mesh, cfg)
+        self.model.to_empty(device=device)
+        self.model.init_weights()
+        self.optimizer = build_optimizer(self.model, cfg.optim, device)
+        self.precision = resolve_precision(cfg, device)
+        self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16) if self.precision == "bf16"
+                         else nullcontext)
+        self.step = 0  # optimizer steps done
+
+    # -- collectives over the data-parallel axes -------------------------------------------------------------
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dp_size > 1:
+            for axis in ("dp_replicate", "dp_shard"):
+                if self.mesh[axis].size() > 1:
+                    dist.all_reduce(t, group=self.mesh[axis].get_group())
+        return t
+
+    # -- one optimizer step -----------------------------------------------------------------------------------
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        microbatches = self.batches.microbatches(step)
+        n_tokens = torch.tensor(float(count_target_tokens(microbatches)))
+        n_tokens = int(self._dp_sum(n_tokens.to(self.device)).item()) if self.dp_size > 1 else int(n_tokens)
+        loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
+                                              loss_fn=token_loss_sum, autocast=self.autocast)
+        grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, lr
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean token loss over the fixed validation batches, all data-parallel ranks together."""
+        self.model.eval()
+        total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
+        for x, y in self.val_batches:
+            with self.autocast():
+                logits = self.model(x.to(self.device))
+            total[0] += token_loss_sum(logits, y.to(self.device))
+            total[1] += y.numel()
+        self.model.train()
+        total = self._dp_sum(total)
+        return float(total[0] / total[1])
+
+    def _validate(self, result: TrainResult) -> None:
+        val = self.evaluate()
+        result.val_losses[self.step] = val
+        self.log.log({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        if self.log is None:
+            self.log = MetricsLogger(cfg, self.run_dir, enabled=self.rank == 0)
+        result = TrainResult(unigram_loss=self.corpus.unigram_loss())
+        tokens_per_step = t.global_batch_size * t.seq_len
+        self.log.print(
+            f"model {cfg.model.name}: {count_params(self.model) / 1e6:.2f}M parameters | device {self.device} "
+            f"({self.precision}) | mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}\n"
+            f"data {cfg.data.path} ({self.corpus.n_docs} documents, sha256 {self.corpus.sha256[:12]}): "
+            f"{len(self.corpus.train):,} train / {len(self.corpus.valid):,} valid tokens, tokenizer "
+            f"{cfg.data.tokenizer} ({self.corpus.tokenizer.vocab_size} tokens)\n"
+            f"batch {t.global_batch_size} x {t.seq_len} = {tokens_per_step:,} tokens/step, "
+            f"{cfg.grad_accum_steps(self.dp_size)} microbatch(es) of {t.micro_batch_size} per rank | "
+            f"unigram baseline {result.unigram_loss:.3f} nats/token")
+        start = time.perf_counter()
+        if t.eval_interval:
+            self._validate(result)
+        last_time, last_step = time.perf_counter(), self.step
+        while self.step < t.steps:
+            loss, grad_norm, lr = self.train_step(self.step)
+            self.step += 1
+            done = self.step == t.steps
+            if self.step % cfg.logging.interval == 0 or done:
+                loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
+                now = time.perf_counter()
+                elapsed, steps = now - last_time, self.step - last_step
+                result.losses[self.step] = loss_value
+                self.log.log({"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                              "tokens_per_sec": steps * tokens_per_step / elapsed,
+                              "consumed_tokens": self.step * tokens_per_step,
+                              "step_time": elapsed / steps})
+                last_time, last_step = now, self.step
+            if t.eval_interval and (self.step % t.eval_interval == 0 or done):
+                self._validate(result)
+                last_time = time.perf_counter()  # validation time is not training throughput
+            for hook in self.hooks:
+                hook.on_step_end(self, self.step)
+        result.wall_time = time.perf_counter() - start
+        if t.sample_tokens:
+            result.sample = self.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)
+            self.log.print(f"sample (temperature {t.sample_temperature}):\n{result.sample}")
+        for hook in self.hooks:
+            hook.on_train_end(self)
+        self.log.print(f"done: {self.step} steps in {result.wall_time:.1f}s")
+        self.log.close()
+        return result
+
+    def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
+        tok = self.corpus.tokenizer
+        ids = generate(self.model, tok.encode(prompt), n_tokens, self.cfg.train.seq_len, temperature,
+                       self.device, seed=self.cfg.train.seed)
+        return tok.decode(ids)

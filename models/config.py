@@ -1,0 +1,87 @@
+"""Architecture config of the GPT decoder family.
+
+One dataclass describes every model of the zoo; the architecture is chosen by its fields (norm, position
+encoding, MLP kind, kv heads, tying, biases), never by a preset's name. It holds no parallel degrees: how a model
+is split across devices is the trainer's business, not the model's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Literal, Optional
+
+
+def doc(default, help: str):
+    """A dataclass field with a one-line docstring (shown by `--help`, kept in `metadata["help"]`)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name: str = doc("tiny", "zoo preset to start from; the other model fields override it")
+    n_layers: int = doc(4, "number of transformer blocks")
+    d_model: int = doc(256, "hidden size H")
+    n_heads: int = doc(4, "attention (query) heads")
+    n_kv_heads: Optional[int] = doc(None, "key/value heads for grouped-query attention; None = n_heads")
+    ffn_hidden_size: Optional[int] = doc(None, "MLP inner width; None = 4*d_model (gelu) or 8/3*d_model rounded up to 256 (swiglu)")
+    vocab_size: int = doc(8192, "embedding rows; a multiple of 128 is fastest and must cover the tokenizer")
+    max_seq_len: int = doc(256, "context length the model is built for (learned positions, RoPE tables)")
+    norm: Literal["layernorm", "rmsnorm"] = doc("layernorm", "normalisation layer (pre-norm)")
+    norm_eps: float = doc(1e-5, "epsilon of the norm layers")
+    position: Literal["learned", "rope"] = doc("learned", "position encoding: learned absolute embeddings or rotary")
+    rope_theta: float = doc(10000.0, "RoPE base frequency")
+    mlp: Literal["gelu", "swiglu"] = doc("gelu", "MLP kind: GELU (up, down) or SwiGLU (gate, up, down)")
+    bias: bool = doc(True, "biases in linear layers and norms")
+    tie_embeddings: bool = doc(True, "share the input embedding with the LM head")
+    dropout: float = doc(0.0, "dropout on attention probabilities and residual branches")
+    init_std: float = doc(0.02, "std of the normal init; residual output projections get std/sqrt(2*n_layers)")
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.mlp == "gelu":
+            return 4 * self.d_model
+        # SwiGLU keeps the parameter count of a 4x GELU MLP: 3 * H * F = 2 * H * 4H -> F = 8H/3 (Shazeer 2020).
+        return 256 * math.ceil(8 * self.d_model / 3 / 256)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the value and the fix when the architecture is inconsistent."""
+        for f in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"model.{f}={v!r} must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                             f"pick n_heads among the divisors of d_model (e.g. d_model/64 = {self.d_model / 64:g})")
+        if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
+            raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        if self.position == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head dim, got d_model/n_heads={self.head_dim}")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
+            raise ValueError(f"model.ffn_hidden_size={self.ffn_hidden_size} must be positive (or None)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"model.norm={self.norm!r}: use 'layernorm' or 'rmsnorm'")
+        if self.position not in ("learned", "rope"):
+            raise ValueError(f"model.position={self.position!r}: use 'learned' or 'rope'")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"model.mlp={self.mlp!r}: use 'gelu' or 'swiglu'")
+
+
+MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))

@@ -1,0 +1,156 @@
+"""The GPT decoder: one module for GPT-2, GPT-3 and the modern (RoPE/RMSNorm/SwiGLU/GQA) variant.
+
+Plain single-device PyTorch. Build it on the meta device, move it with `to_empty`, then call `init_weights()`;
+parallelism (tensor, sequence, data) is applied from outside by hybridpar.parallel, which is why attention reads
+the number of heads from the tensor it gets (a tensor-parallel rank holds n_heads/tp of them).
+
+Notation: B batch, T sequence, H d_model, V vocab, nh query heads, nkv key/value heads, hd head dim, F ffn width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from .config import ModelConfig
+
+
+def _norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each (T, hd/2), in fp32 (Su et al. 2021)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, n, hd) by the angles of their position."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, n, hd/2)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, T, n, hd/2, 2)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        # Separate Q, K, V projections: each is column-parallel on its own, so a tensor-parallel rank gets whole
+        # heads of every one of them without re-ordering a fused weight.
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        T = x.shape[1]
+        q = rearrange(self.wq(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nh, hd)
+        k = rearrange(self.wk(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nkv, hd)
+        v = rearrange(self.wv(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nkv, hd)
+        if rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (rearrange(t, "b t n d -> b n t d") for t in (q, k, v))  # (B, n, T, hd)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
+        return self.wo(rearrange(y, "b n t d -> b t (n d)"))  # (B, T, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down(F.silu(self.gate(x)) * self.up(x))  # SwiGLU (Shazeer 2020)
+        return self.down(F.gelu(self.up(x), approximate="tanh"))  # GPT-2's tanh GELU
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + Attn(Norm(x)), then x + MLP(Norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = _norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = _norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = _norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.position == "rope":
+            # Not persistent: derived from the config, recomputed by init_weights() after a meta-device build.
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the input embedding with the LM head (GPT-2/3). Moving a module off the meta device creates new
+        Parameter objects, so this runs again after every such move."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 init: every weight ~ N(0, init_std), residual output projections ~ N(0, init_std/sqrt(2L)) so the
+        residual stream's variance does not grow with depth (Radford et al. 2019); biases 0, norm gains 1."""
+        self.tie_weights()
+        std, resid_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, mod in self.named_modules():
+            if isinstance(mod, nn.Linear):
+                nn.init.normal_(mod.weight, 0.0, resid_std if name.endswith(("attn.wo", "mlp.down")) else std)
+                if mod.bias is not None:
+                    nn.init.zeros_(mod.bias)
+            elif isinstance(mod, nn.Embedding):
+                nn.init.normal_(mod.weight, 0.0, std)
+            elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
+                mod.reset_parameters()
+        if self.cfg.position == "rope":
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (B, T) int64 -> logits (B, T, V)."""
+        T = input_ids.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        h = self.tok_embeddings(input_ids)  # (B, T, H)
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(T, device=input_ids.device))
+        h = self.drop(h)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
+        for layer in self.layers:
+            h = layer(h, rope)
+        return self.lm_head(self.norm(h))  # (B, T, V)
