@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """A user's config mistake: printed as one line, exit status 2."""
 
 
+class _CliValue(str):
+    """A value typed on the command line: text to parse. YAML values arrive typed and are not re-parsed."""
+
+
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 
 
@@ -44,12 +48,14 @@ def _type_name(tp) -> str:
 def _convert(key: str, value: Any, tp) -> Any:
     """Convert a YAML value or a command-line string to the field's type, or raise ConfigError."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    from_cli = isinstance(value, str)
-    fail = ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}; expected {_type_name(tp)}")
+    from_cli = isinstance(value, _CliValue)
+    fail = ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}")
     if origin is Union:  # Optional[X]
         if value is None or (from_cli and value.lower() in ("none", "null", "")):
             return None
         inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _convert(key, value, inner[0])
         for a in inner:
             try:
                 return _convert(key, value, a)
@@ -59,12 +65,12 @@ def _convert(key: str, value: Any, tp) -> Any:
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, args))}")
-        return value
+        return str(value)
     if origin is list:
         items = [v.strip() for v in value.split(",") if v.strip()] if from_cli else value
         if not isinstance(items, list):
             raise fail
-        return [_convert(key, v, args[0]) for v in items]
+        return [_convert(key, _CliValue(v) if from_cli else v, args[0]) for v in items]
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -186,7 +192,7 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, dict]:
             continue
         if key not in keys:
             raise _unknown(key, sorted(keys | {"config"}))
-        _set(tree, key, value)
+        _set(tree, key, _CliValue(value))
     return config_path, tree
 
 

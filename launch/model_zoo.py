@@ -1,0 +1,47 @@
+"""Print hybridpar's model zoo: `python launch/model_zoo.py [--json]`. Counts come from meta-device builds."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from hybridpar.models import count_params, get_model_config, list_models
+
+COLUMNS = ("name", "n_params", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn", "context", "vocab")
+
+
+def zoo_rows() -> list[dict]:
+    rows = []
+    for name in list_models():
+        c = get_model_config(name)
+        rows.append({"name": name, "n_params": count_params(c), "n_layers": c.n_layers, "d_model": c.d_model,
+                     "n_heads": c.n_heads, "n_kv_heads": c.kv_heads, "ffn": c.ffn_dim, "context": c.max_seq_len,
+                     "vocab": c.vocab_size, "norm": c.norm, "position": c.position, "mlp": c.mlp,
+                     "tie_embeddings": c.tie_embeddings})
+    return rows
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    if argv not in ([], ["--json"]):
+        print(f"error: unknown arguments {argv}; use --json or nothing", file=sys.stderr)
+        return 2
+    rows = zoo_rows()
+    if argv == ["--json"]:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = [COLUMNS] + [tuple(_human(r[c]) if c == "n_params" else str(r[c]) for c in COLUMNS) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    for row in table:
+        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""Config: YAML + overrides, precedence, every validation error, the resolved dump, --help."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli
+from hybridpar.config import Config
+from hybridpar.config_cli import ConfigError, all_keys, config_from_dict, dump_yaml, help_text, load_config
+
+REQUIRED_KEYS = ["model.name", "train.steps", "train.micro_batch_size", "train.global_batch_size", "train.seq_len",
+                 "train.seed", "run.dir", "logging.interval", "parallel.tp", "parallel.dp_shard",
+                 "parallel.dp_replicate", "checkpoint.interval", "data.path", "data.tokenizer", "train.precision",
+                 "logging.wandb.mode"]
+
+
+def test_required_field_names_exist():
+    keys = set(all_keys())
+    for k in REQUIRED_KEYS:
+        assert k in keys, k
+
+
+def test_every_field_has_a_docstring():
+    def walk(cls):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no docstring"
+            if dataclasses.is_dataclass(f.type if not isinstance(f.type, str) else None):
+                walk(f.type)
+    walk(Config)
+    text = help_text()
+    for k in all_keys():
+        assert f"--{k} " in text, k
+
+
+def test_overrides_both_forms_nested_and_bool():
+    cfg = load_config(["--train.steps", "7", "--optim.lr=1e-3", "--logging.wandb.mode", "offline",
+                       "--run.overwrite", "--logging.wandb.tags", "a,b", "--train.precision", "fp32"])
+    assert cfg.train.steps == 7 and cfg.optim.lr == 1e-3 and cfg.logging.wandb.mode == "offline"
+    assert cfg.run.overwrite is True and cfg.logging.wandb.tags == ["a", "b"] and cfg.train.precision == "fp32"
+
+
+def test_precedence_preset_then_yaml_then_cli(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {name: gpt2-124m, n_layers: 2}\ntrain: {steps: 5, seq_len: 64}\n")
+    cfg = load_config(["--config", str(f), "--train.steps", "9", "--model.d_model", "384"])
+    assert cfg.model.name == "gpt2-124m" and cfg.model.vocab_size == 50304  # from the preset
+    assert cfg.model.n_layers == 2 and cfg.train.seq_len == 64               # from the file
+    assert cfg.train.steps == 9 and cfg.model.d_model == 384                 # from the command line
+
+
+def test_resolved_dump_is_a_valid_config_file(tmp_path):
+    cfg = load_config(["--model.name", "gpt-modern-1b", "--train.seq_len", "512", "--optim.schedule", "wsd"])
+    f = tmp_path / "resolved.yaml"
+    f.write_text(dump_yaml(cfg))
+    assert load_config(["--config", str(f)]) == cfg
+
+
+def test_shipped_configs_load():
+    files = sorted((ROOT / "configs").glob("*.yaml"))
+    assert len(files) >= 10
+    for f in files:
+        cfg = load_config(["--config", str(f)])
+        assert cfg.model.name == yaml.safe_load(f.read_text())["model"]["name"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--train.stpes", "3"], "did you mean train.steps"),
+    (["--logging.wandb.mdoe", "offline"], "did you mean logging.wandb.mode"),
+    (["--train.steps", "three"], "train.steps='three' is not a valid int"),
+    (["--optim.lr", "fast"], "optim.lr='fast' is not a valid float"),
+    (["--train.precision", "fp16"], "train.precision='fp16' is not one of fp32, bf16"),
+    (["--run.overwrite", "maybe"], "run.overwrite='maybe' is not a valid bool"),
+    (["--train.global_batch_size", "10", "--train.micro_batch_size", "4"], "not divisible by train.micro_batch_size=4"),
+    (["--model.n_heads", "5"], "model.n_heads=5 does not divide model.d_model=128"),
+    (["--train.seq_len", "512"], "train.seq_len=512 exceeds model.max_seq_len=256"),
+    (["--model.name", "gpt5"], "unknown model 'gpt5'"),
+    (["--optim.min_lr", "1.0"], "optim.min_lr=1.0 must be in"),
+    (["--parallel.tp", "0"], "parallel.tp=0 must be a positive degree"),
+    (["--data.split", "1,0,0"], "data.split='1,0,0'"),
+    (["--train.steps"], "--train.steps needs a value"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_errors_name_value_and_fix(argv, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(argv)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_yaml_type_errors(tmp_path):
+    with pytest.raises(ConfigError, match="train.steps='5' is not a valid int"):
+        config_from_dict({"train": {"steps": "5"}})  # YAML strings are not silently converted
+    with pytest.raises(ConfigError, match="unknown config key 'trian'; did you mean train"):
+        config_from_dict({"trian": {}})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(["--config", str(bad)])
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_world_dependent_batch_check():
+    cfg = load_config(["--train.global_batch_size", "32", "--train.micro_batch_size", "8"])
+    cfg.check_world(4)
+    assert cfg.grad_accum_steps(2) == 2
+    with pytest.raises(ValueError, match="micro_batch_size=8 x data-parallel size 3"):
+        cfg.check_world(3)
+
+
+def test_cli_help_lists_fields():
+    out = run_cli(["launch/pretrain_gpt.py", "--help"])
+    assert out.returncode == 0
+    for k in REQUIRED_KEYS:
+        assert f"--{k} " in out.stdout
+    assert "optimizer steps to run (default: 200)" in out.stdout
+
+
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    out = run_cli(["launch/pretrain_gpt.py", "--train.stesp", "3", "--run.dir", str(run_dir)])
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "did you mean train.steps" in out.stderr
+    assert "Traceback" not in out.stderr and not run_dir.exists()
