@@ -26,6 +26,10 @@ class ParallelConfig:
     dp_shard: int = doc(-1, "data-parallel shards (FSDP axis); -1 fills world / (dp_replicate * tp)")
     tp: int = doc(1, "tensor-parallel degree, inside a node (the innermost mesh axis)")
     backend: Optional[str] = doc(None, "process-group backend; None = nccl on CUDA, gloo on CPU")
+    sequence_parallel: bool = doc(True, "shard norms/dropout/residuals along the sequence between TP regions (when tp > 1)")
+    fsdp_strategy: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = doc(
+        "full_shard", "full_shard: reshard after forward; shard_grad_op: keep params gathered until backward; "
+        "hybrid_shard: replicate x shard (needs dp_replicate > 1); no_shard: plain data parallel (needs dp_shard = 1)")
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "tp"):

@@ -40,6 +40,7 @@ def forward_backward_no_pipelining(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
     grad_scale: float = 1.0,
     autocast=nullcontext,
+    loss_context=nullcontext,
 ) -> torch.Tensor:
     """Forward and backward over this rank's microbatches of one global batch; gradients accumulate in .grad.
 
@@ -51,7 +52,8 @@ def forward_backward_no_pipelining(
         loss_fn: (logits, targets) -> summed token loss.
         grad_scale: multiplies the backward loss; a data-parallel wrapper that averages gradients over dp ranks
             passes dp_size here so the average becomes the sum the global mean needs.
-        autocast: a context-manager factory for mixed precision.
+        autocast: a context-manager factory for mixed precision (around the forward).
+        loss_context: a context-manager factory around loss and backward (tensor parallelism's loss_parallel).
     Returns:
         This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
         ranks gives the global batch's mean loss). No host sync happens here.
@@ -59,12 +61,16 @@ def forward_backward_no_pipelining(
     total = torch.zeros((), device=device)
     n = len(microbatches)
     for i, (x, y) in enumerate(microbatches):
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(i == n - 1)
+        last = i == n - 1
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: no reduce-scatter / all-reduce before the last
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)  # and no re-gather of parameters between microbatches
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast():
-            logits = model(x)
-        loss = loss_fn(logits, y) / num_global_tokens
-        (loss * grad_scale).backward()
-        total += loss.detach()
+        with loss_context():
+            with autocast():
+                logits = model(x)
+            loss = loss_fn(logits, y) / num_global_tokens
+            (loss * grad_scale).backward()
+        loss = loss.detach()
+        total += loss.to_local() if hasattr(loss, "to_local") else loss  # a replicated DTensor under loss_parallel
     return total

@@ -22,12 +22,28 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip gradients to a global L2 norm of max_norm (0 = only measure); returns the norm before clipping, as a
-    plain tensor on the device (no host sync). Sharded (DTensor) gradients reduce their norm across the mesh."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if hasattr(norm, "full_tensor"):  # DTensor grads: a partial norm; reduce it across the mesh before clipping
-        norm = norm.full_tensor()
+    plain tensor on the device (no host sync).
+
+    Gradients are grouped by kind (plain tensors, and DTensors per mesh and placements); each group's norm is
+    reduced across the mesh axes its gradients are sharded on (DTensor's full_tensor of a Partial norm), so every
+    parameter counts exactly once: a tied parameter appears once in model.parameters(), a replicated one is not
+    summed over its replicas.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else ("plain",)
+        groups.setdefault(key, []).append(g)
+    squares = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], max_norm, norm,
-                                             foreach=True)
-    return norm
+        for grads in groups.values():
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef)
+    return total

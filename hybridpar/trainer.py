@@ -27,7 +27,7 @@ from hybridpar.metrics import MetricsLogger
 from hybridpar.microbatch import count_target_tokens, forward_backward_no_pipelining, token_loss_sum
 from hybridpar.models import build_model, count_params
 from hybridpar.optim import build_optimizer, clip_grad_norm
-from hybridpar.parallel import parallelize_gpt
+from hybridpar.parallel import check_layout, parallelize_gpt
 from hybridpar.sampling import generate
 
 
@@ -58,7 +58,10 @@ class Trainer:
         self.cfg, self.mesh, self.device, self.run_dir, self.hooks = cfg, mesh, device, run_dir, list(hooks)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = dp_rank_size(mesh)
-        cfg.check_world(self.dp_size)
+        self.tp = mesh["tp"].size()
+        gpus_per_node = torch.cuda.device_count() if device.type == "cuda" else None
+        check_layout(cfg, (mesh["dp_replicate"].size(), mesh["dp_shard"].size(), self.tp), gpus_per_node)
+        cfg.train.precision = resolve_precision(cfg, device)
         self.log = logger  # opened by fit(): constructing a Trainer writes nothing into run_dir
 
         # Data first: the tokenizer's vocabulary must fit the model before anything is built.
@@ -73,16 +76,22 @@ class Trainer:
         self.val_batches = validation_batches(TokenWindows(self.corpus.valid, t.seq_len, t.seed, shuffle=False),
                                               t.eval_batches, t.micro_batch_size, self.dp_rank, self.dp_size)
 
-        # Model: built on meta, parallelized, materialised, initialised from the seed.
+        # Model: every rank initialises the same full weights from the seed (so the initial model is bitwise the
+        # same for every layout), then parallelize() shards them. Known limit: the full model must fit in one
+        # device's memory at start-up; models beyond that need a meta-device init keyed by global position.
         torch.manual_seed(t.seed)
-        model = build_model(cfg.model, device="meta")
-        self.model = parallelize(model, mesh, cfg)
-        self.model.to_empty(device=device)
-        self.model.init_weights()
+        self.model = parallelize(build_model(cfg.model, device=device), mesh, cfg)
         self.optimizer = build_optimizer(self.model, cfg.optim, device)
-        self.precision = resolve_precision(cfg, device)
-        self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16) if self.precision == "bf16"
-                         else nullcontext)
+        self.precision = cfg.train.precision
+        fsdp = self.dp_size > 1  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
+        self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
+                         if self.precision == "bf16" and not fsdp else nullcontext)
+        self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+            self.loss_context = loss_parallel
+        else:
+            self.loss_context = nullcontext
         self.step = 0  # optimizer steps done
 
     # -- collectives over the data-parallel axes -------------------------------------------------------------
@@ -102,7 +111,8 @@ class Trainer:
         n_tokens = torch.tensor(float(count_target_tokens(microbatches)))
         n_tokens = int(self._dp_sum(n_tokens.to(self.device)).item()) if self.dp_size > 1 else int(n_tokens)
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
-                                              loss_fn=token_loss_sum, autocast=self.autocast)
+                                              loss_fn=token_loss_sum, grad_scale=self.grad_scale,
+                                              autocast=self.autocast, loss_context=self.loss_context)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -114,9 +124,11 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
         for x, y in self.val_batches:
-            with self.autocast():
-                logits = self.model(x.to(self.device))
-            total[0] += token_loss_sum(logits, y.to(self.device))
+            with self.loss_context():
+                with self.autocast():
+                    logits = self.model(x.to(self.device))
+                loss = token_loss_sum(logits, y.to(self.device))
+            total[0] += loss.to_local() if hasattr(loss, "to_local") else loss
             total[1] += y.numel()
         self.model.train()
         total = self._dp_sum(total)
@@ -179,5 +191,5 @@ class Trainer:
     def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
         tok = self.corpus.tokenizer
         ids = generate(self.model, tok.encode(prompt), n_tokens, self.cfg.train.seq_len, temperature,
-                       self.device, seed=self.cfg.train.seed)
+                       self.device, seed=self.cfg.train.seed, pad_multiple=self.tp)
         return tok.decode(ids)

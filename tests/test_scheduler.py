@@ -64,6 +64,9 @@ class _SyncRecorder(torch.nn.Module):
     def set_requires_gradient_sync(self, flag):
         self.calls.append(flag)
 
+    def set_reshard_after_backward(self, flag):
+        self.calls.append(("reshard", flag))
+
     def forward(self, x):
         return self.model(x)
 
@@ -72,4 +75,4 @@ def test_gradient_sync_only_on_last_microbatch():
     wrapped = _SyncRecorder(build_model(get_model_config("tiny", n_layers=1), device="cpu"))
     x, y = _batch()
     forward_backward_no_pipelining(wrapped, [(x[i:i + 1], y[i:i + 1]) for i in range(4)], 100, torch.device("cpu"))
-    assert wrapped.calls == [False, False, False, True]
+    assert wrapped.calls == [False, ("reshard", False)] * 3 + [True, ("reshard", True)]

@@ -16,14 +16,34 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.config import Config
+from hybridpar.parallel.fsdp import apply_fsdp, check_strategy
+from hybridpar.parallel.tensor_parallel import apply_tp
+
+
+def check_layout(cfg: Config, degrees: tuple[int, int, int], gpus_per_node: int | None) -> None:
+    """Every divisibility rule of the layout, with all the factors in the message. Runs before any model exists."""
+    dp_replicate, dp_shard, tp = degrees
+    m = cfg.model
+    if tp > 1:
+        bad = {name: v for name, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads),
+                                       ("model.vocab_size", m.vocab_size), ("model.ffn_dim", m.ffn_dim)) if v % tp}
+        if cfg.parallel.sequence_parallel and cfg.train.seq_len % tp:
+            bad["train.seq_len (sequence parallel)"] = cfg.train.seq_len
+        if bad:
+            raise ValueError(f"parallel.tp={tp} must divide " + ", ".join(f"{k}={v}" for k, v in bad.items())
+                             + "; pick tp among their common divisors")
+        if gpus_per_node is not None and tp > gpus_per_node:
+            raise ValueError(f"parallel.tp={tp} exceeds the {gpus_per_node} GPUs of a node; TP needs the fast "
+                             f"links inside a node: use tp <= {gpus_per_node} and grow dp_shard instead")
+    check_strategy(cfg.parallel, dp_replicate, dp_shard)
+    cfg.check_world(dp_replicate * dp_shard)
 
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
-    """Apply hybridpar's parallelism and memory/speed wrappers to a GPT from hybridpar.models, in place."""
+    """Apply hybridpar's parallelism and memory/speed wrappers to an initialised GPT, in place."""
     tp, dp = mesh["tp"].size(), mesh["dp_replicate"].size() * mesh["dp_shard"].size()
-    if tp > 1 or dp > 1:
-        raise ValueError(f"this build of hybridpar trains on one process (mesh tp={tp}, data-parallel {dp}); "
-                         f"launch without torchrun or with --nproc_per_node 1")
+    if tp > 1:
+        apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
     if cfg.train.activation_checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -32,4 +52,6 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
     if cfg.train.compile:
         for block in model.layers:
             block.compile()
+    if dp > 1:
+        apply_fsdp(model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16")
     return model

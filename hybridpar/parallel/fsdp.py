@@ -1,0 +1,45 @@
+"""FSDP2 (`fully_shard`) over the data-parallel axes: per transformer block, then the root.
+
+The data-parallel mesh is (dp_replicate, dp_shard): with dp_replicate > 1 that is HSDP (parameters sharded within a
+dp_shard group, replicated across groups; gradients reduce-scattered within, all-reduced across). Strategies:
+full_shard reshards parameters after forward (all-gathers them again for backward), shard_grad_op keeps them
+gathered from forward to backward (more memory, one all-gather less), hybrid_shard is full_shard on a mesh with
+dp_replicate > 1, no_shard is plain data parallelism (dp_shard = 1: nothing sharded, gradients all-reduced).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from hybridpar.config import ParallelConfig
+
+
+def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def check_strategy(cfg: ParallelConfig, dp_replicate: int, dp_shard: int) -> None:
+    if cfg.fsdp_strategy == "hybrid_shard" and dp_replicate == 1:
+        raise ValueError("parallel.fsdp_strategy=hybrid_shard needs parallel.dp_replicate > 1 "
+                         "(replicas of dp_shard groups); use full_shard or set dp_replicate")
+    if cfg.fsdp_strategy == "no_shard" and dp_shard != 1:
+        raise ValueError(f"parallel.fsdp_strategy=no_shard replicates parameters, so it needs parallel.dp_shard=1 "
+                         f"(got {dp_shard}); put the data-parallel degree in parallel.dp_replicate")
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool) -> nn.Module:
+    """fully_shard each block, then the root (embeddings, final norm, LM head), in place."""
+    dp_mesh = dp_mesh_of(mesh)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
+                              reduce_dtype=torch.float32 if bf16 else None)
+    reshard = cfg.fsdp_strategy != "shard_grad_op"
+    for block in model.layers:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root's parameters are needed again right after forward (LM head -> loss -> backward): keep them.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
