@@ -6,6 +6,7 @@ Host syncs: the step itself never calls .item(); losses and gradient norms stay 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from contextlib import nullcontext
@@ -29,6 +30,12 @@ from hybridpar.models import build_model, count_params
 from hybridpar.optim import build_optimizer, clip_grad_norm
 from hybridpar.parallel import check_layout, parallelize_gpt
 from hybridpar.sampling import generate
+
+
+# DTensor warns when a norm reduces over two mesh axes with two all-reduces. Every rank still gets the same value
+# (the first all-reduce leaves identical partial sums inside each group), and it happens once per step for the
+# gradient norm, so the warning is noise for hybridpar's layouts.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 class Hook(Protocol):

@@ -1,0 +1,98 @@
+"""Hybrid parallelism: mesh validation, and loss curves of every layout against one process (real torchrun, gloo)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from hybridpar.config_cli import load_config
+from hybridpar.distributed import resolve_degrees, world_from_env
+from hybridpar.parallel import check_layout
+
+COMMON = ["--train.steps", "6", "--train.global_batch_size", "16", "--train.micro_batch_size", "2",
+          "--train.seq_len", "64", "--logging.interval", "1", "--train.eval_interval", "0",
+          "--train.sample_tokens", "8", "--train.precision", "fp32"]
+
+
+def _losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+def _train(tmp_path, cache_dir, name, nproc, extra=()):
+    run_dir = tmp_path / name
+    args = [*COMMON, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), *extra]
+    if nproc == 1:
+        out = run_cli(["launch/pretrain_gpt.py", *args])
+    else:
+        out = run_cli(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                       "launch/pretrain_gpt.py", *args])
+    assert out.returncode == 0, out.stderr[-4000:]
+    return _losses(run_dir), out.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    losses, _ = _train(tmp_path_factory.mktemp("ref"), cache_dir, "ref", 1)
+    assert len(losses) == 6
+    return losses
+
+
+# (dp_replicate, dp_shard, tp) -> processes
+LAYOUTS = [((1, 4, 1), 4), ((1, 2, 2), 4), ((1, 1, 4), 4), ((2, 2, 1), 4), ((2, 1, 2), 4), ((1, 1, 2), 2)]
+
+
+@pytest.mark.parametrize("layout, nproc", LAYOUTS, ids=[f"r{a}s{b}t{c}" for (a, b, c), _ in LAYOUTS])
+def test_layout_gives_the_single_process_loss_curve(layout, nproc, reference, tmp_path, cache_dir):
+    r, s, t = layout
+    losses, stdout = _train(tmp_path, cache_dir, "run", nproc, ["--parallel.dp_replicate", str(r),
+                                                                 "--parallel.dp_shard", str(s), "--parallel.tp", str(t)])
+    assert f"'dp_replicate': {r}, 'dp_shard': {s}, 'tp': {t}" in stdout
+    assert len(losses) == len(reference)
+    for got, want in zip(losses, reference):
+        assert abs(got - want) <= 1e-5 * abs(want), (losses, reference)
+
+
+def test_sequence_parallel_on_and_off_agree(tmp_path, cache_dir, reference):
+    off, _ = _train(tmp_path, cache_dir, "sp_off", 2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "false"])
+    for got, want in zip(off, reference):
+        assert abs(got - want) <= 1e-5 * abs(want)
+
+
+def test_degrees_fill_and_mismatch():
+    cfg = load_config([])
+    assert resolve_degrees(cfg.parallel, 8) == (1, 8, 1)
+    assert resolve_degrees(load_config(["--parallel.tp", "2", "--parallel.dp_replicate", "2"]).parallel, 8) == (2, 2, 2)
+    with pytest.raises(ValueError, match=r"dp_replicate=1, dp_shard=3, tp=2 multiply to 6, but the world has 8"):
+        resolve_degrees(load_config(["--parallel.dp_shard", "3", "--parallel.tp", "2"]).parallel, 8)
+    with pytest.raises(ValueError, match="world size 6 is not divisible by the fixed degrees"):
+        resolve_degrees(load_config(["--parallel.tp", "4"]).parallel, 6)
+    with pytest.raises(Exception, match="only one of"):
+        load_config(["--parallel.tp", "-1", "--parallel.dp_shard", "-1"])
+
+
+@pytest.mark.parametrize("argv, degrees, gpus, message", [
+    (["--model.n_heads", "2"], (1, 1, 4), None, "model.n_heads=2"),
+    (["--model.vocab_size", "4098"], (1, 1, 4), None, "model.vocab_size=4098"),
+    (["--train.seq_len", "66"], (1, 1, 4), None, "train.seq_len (sequence parallel)=66"),
+    ([], (1, 1, 4), 2, "parallel.tp=4 exceeds the 2 GPUs of a node"),
+    (["--parallel.fsdp_strategy", "hybrid_shard"], (1, 4, 1), None, "hybrid_shard needs parallel.dp_replicate > 1"),
+    (["--parallel.fsdp_strategy", "no_shard"], (1, 4, 1), None, "no_shard replicates parameters"),
+    (["--train.global_batch_size", "32", "--train.micro_batch_size", "16"], (1, 4, 1), None,
+     "micro_batch_size=16 x data-parallel size 4"),
+])
+def test_layout_validation_errors(argv, degrees, gpus, message):
+    with pytest.raises(ValueError) as e:
+        check_layout(load_config(argv), degrees, gpus)
+    assert message in str(e.value)
+
+
+def test_world_from_torchrun_and_slurm_env():
+    w = world_from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == (3, 8, 1, 2)
+    w = world_from_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+                        "SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == (5, 8, 1, 4)
+    assert world_from_env({}).world_size == 1
