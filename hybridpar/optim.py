@@ -29,10 +29,11 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     parameter counts exactly once: a tied parameter appears once in model.parameters(), a replicated one is not
     summed over its replicas.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
     groups: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
+    for p in model.parameters():
         g = p.grad
+        if g is None:
+            continue
         key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else ("plain",)
         groups.setdefault(key, []).append(g)
     squares = []
@@ -43,7 +44,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         squares.append(norm.float() ** 2)
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
     if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in groups.values():
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef)
     return total

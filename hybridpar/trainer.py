@@ -89,10 +89,9 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = parallelize(build_model(cfg.model, device=device), mesh, cfg)
         self.optimizer = build_optimizer(self.model, cfg.optim, device)
-        self.precision = cfg.train.precision
         fsdp = self.dp_size > 1  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
-                         if self.precision == "bf16" and not fsdp else nullcontext)
+                         if cfg.train.precision == "bf16" and not fsdp else nullcontext)
         self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum
         if self.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -155,7 +154,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         self.log.print(
             f"model {cfg.model.name}: {count_params(self.model) / 1e6:.2f}M parameters | device {self.device} "
-            f"({self.precision}) | mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}\n"
+            f"({cfg.train.precision}) | mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}\n"
             f"data {cfg.data.path} ({self.corpus.n_docs} documents, sha256 {self.corpus.sha256[:12]}): "
             f"{len(self.corpus.train):,} train / {len(self.corpus.valid):,} valid tokens, tokenizer "
             f"{cfg.data.tokenizer} ({self.corpus.tokenizer.vocab_size} tokens)\n"
