@@ -30,6 +30,10 @@ class ParallelConfig:
     fsdp_strategy: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = doc(
         "full_shard", "full_shard: reshard after forward; shard_grad_op: keep params gathered until backward; "
         "hybrid_shard: replicate x shard (needs dp_replicate > 1); no_shard: plain data parallel (needs dp_shard = 1)")
+    fsdp_prefetch: int = doc(1, "blocks whose parameters are all-gathered ahead of use, in forward and in backward "
+                                "(1 = the next block, FSDP2's own default; 2+ overlaps more, holds more memory)")
+    fsdp_cpu_offload: bool = doc(False, "keep sharded parameters, gradients and optimizer state in CPU memory "
+                                        "(the optimizer step runs on the CPU); for models that do not fit otherwise")
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "tp"):
@@ -38,19 +42,26 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name}={v} must be a positive degree or -1 (fill the rest)")
         if [self.dp_replicate, self.dp_shard, self.tp].count(-1) > 1:
             raise ValueError("only one of parallel.dp_replicate, dp_shard, tp may be -1")
+        if self.fsdp_prefetch < 1:
+            raise ValueError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 1 (1 = the next block)")
 
 
 @dataclass
 class TrainConfig:
     steps: int = doc(200, "optimizer steps to run")
-    micro_batch_size: int = doc(32, "sequences per microbatch per data-parallel rank")
+    micro_batch_size: Optional[int] = doc(
+        None, "sequences per microbatch per data-parallel rank; None = global_batch_size / data-parallel size "
+        "(one microbatch per step, no accumulation)")
     global_batch_size: int = doc(32, "sequences per optimizer step, all ranks and microbatches together")
     seq_len: int = doc(128, "tokens per training sequence (at most model.max_seq_len)")
     seed: int = doc(1234, "seed of initialisation, data order and dropout")
     precision: Optional[Literal["fp32", "bf16"]] = doc(
         None, "fp32, or bf16 compute with fp32 master weights and reductions; None = bf16 on GPUs that support it, fp32 on CPU")
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu")
-    activation_checkpointing: bool = doc(False, "recompute each block's activations in backward (saves memory, costs ~1/3 more compute)")
+    activation_checkpointing: Literal["none", "full", "selective"] = doc(
+        "none", "recompute activations in backward: full = whole blocks (every train.ac_every-th one; ~1/3 more "
+        "compute), selective = only each block's attention core (RoPE + softmax attention, cheap to recompute)")
+    ac_every: int = doc(1, "full activation checkpointing: checkpoint blocks 0, k, 2k, ... (1 = every block)")
     compile: bool = doc(False, "torch.compile each transformer block")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables clipping")
     eval_interval: int = doc(50, "run validation every this many steps (and at the first and last step); 0 = never")
@@ -60,7 +71,10 @@ class TrainConfig:
     sample_temperature: float = doc(0.8, "sampling temperature; 0 = greedy")
 
     def __post_init__(self):
-        _positive("train", steps=self.steps, micro_batch_size=self.micro_batch_size,
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise ValueError(f"train.activation_checkpointing={self.activation_checkpointing!r}: use none, full "
+                             f"or selective")
+        _positive("train", steps=self.steps, micro_batch_size=self.micro_batch_size, ac_every=self.ac_every,
                   global_batch_size=self.global_batch_size, seq_len=self.seq_len, eval_batches=self.eval_batches)
         if self.precision not in (None, "fp32", "bf16"):
             raise ValueError(f"train.precision={self.precision!r}: use fp32 or bf16")
@@ -117,7 +131,7 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = doc(0, "save every this many steps; 0 = no periodic saves")
+    interval: int = doc(0, "save a sharded (DCP) checkpoint every this many steps and at the end; 0 = never")
     keep_last: int = doc(2, "checkpoints to keep")
     load: Optional[str] = doc(None, "checkpoint to start from")
 
@@ -169,15 +183,20 @@ class Config:
         if t.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={self.model.max_seq_len} of "
                              f"{self.model.name}; lower train.seq_len or raise model.max_seq_len")
-        if t.global_batch_size % t.micro_batch_size:
+        if t.micro_batch_size is not None and t.global_batch_size % t.micro_batch_size:
             raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                              f"train.micro_batch_size={t.micro_batch_size}")
         if self.optim.schedule == "wsd" and self.optim.decay_steps and self.optim.decay_steps > t.steps:
             raise ValueError(f"optim.decay_steps={self.optim.decay_steps} exceeds train.steps={t.steps}")
 
     def check_world(self, dp_size: int) -> None:
-        """Batch arithmetic that needs the data-parallel size of the mesh."""
+        """Batch arithmetic that needs the data-parallel size of the mesh; fills train.micro_batch_size if None."""
         t = self.train
+        if t.micro_batch_size is None:
+            if t.global_batch_size % dp_size:
+                raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by the "
+                                 f"data-parallel size {dp_size}; use a multiple of {dp_size}")
+            t.micro_batch_size = t.global_batch_size // dp_size
         if t.global_batch_size % (t.micro_batch_size * dp_size):
             raise ValueError(
                 f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="

@@ -8,14 +8,15 @@ from torch import nn
 from hybridpar.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW whose weight decay applies to parameters of 2+ dims (linear weights, embeddings) and not to biases or
-    norm gains, as in GPT-3 and nanoGPT. Fused kernel on CUDA unless optim.fused says otherwise."""
+    norm gains, as in GPT-3 and nanoGPT. Fused kernel for CUDA parameters unless optim.fused says otherwise."""
     decay, no_decay = [], []
     for p in model.parameters():  # each shared (tied) parameter once
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    fused = cfg.fused if cfg.fused is not None else device.type == "cuda"
+    # Where the parameters live decides the kernel: with FSDP CPU offload they (and the step) are on the CPU.
+    fused = cfg.fused if cfg.fused is not None else all(p.device.type == "cuda" for p in decay + no_decay)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
 

@@ -88,7 +88,7 @@ class Trainer:
         # device's memory at start-up; models beyond that need a meta-device init keyed by global position.
         torch.manual_seed(t.seed)
         self.model = parallelize(build_model(cfg.model, device=device), mesh, cfg)
-        self.optimizer = build_optimizer(self.model, cfg.optim, device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
         fsdp = self.dp_size > 1  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
                          if cfg.train.precision == "bf16" and not fsdp else nullcontext)

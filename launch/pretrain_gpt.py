@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from hybridpar.checkpoint import CheckpointHook
 from hybridpar.config import Config
 from hybridpar.config_cli import ConfigError, dump_yaml, help_text, load_config, to_dict
 from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
@@ -43,10 +44,11 @@ def main(cfg: Config) -> TrainResult:
     mesh = init_mesh(cfg.parallel, device, world)
     try:
         run_dir = prepare_run_dir(cfg)
-        if cfg.checkpoint.interval or cfg.checkpoint.load:
-            print("warning: checkpoint.interval/checkpoint.load are not applied: this build of hybridpar does not "
-                  "save checkpoints yet", file=sys.stderr)
-        trainer = Trainer(cfg, mesh, device, run_dir)
+        if cfg.checkpoint.load:
+            print("warning: checkpoint.load is not applied: this build of hybridpar saves checkpoints but does not "
+                  "resume from them yet", file=sys.stderr)
+        hooks = [CheckpointHook(cfg.checkpoint.interval, cfg.checkpoint.keep_last)]
+        trainer = Trainer(cfg, mesh, device, run_dir, hooks=hooks)
         if world.rank == 0:  # only now, with every input checked, does the run write anything
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)

@@ -39,16 +39,29 @@ def check_layout(cfg: Config, degrees: tuple[int, int, int], gpus_per_node: int 
     cfg.check_world(dp_replicate * dp_shard)
 
 
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, preserve_rng: bool = False) -> None:
+    """none: keep every activation. full: recompute whole blocks 0, every, 2*every, ... in backward (a block keeps
+    only its input). selective: recompute only each block's attention core (RoPE + softmax attention), keeping the
+    projections' and MLP's activations. Wraps in place; parameter names are unchanged in checkpoints (DCP's
+    state-dict helpers strip the wrapper's prefix)."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.layers):
+        if mode == "full" and i % every == 0:
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng)
+        elif mode == "selective":
+            block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=preserve_rng)
+
+
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
     """Apply hybridpar's parallelism and memory/speed wrappers to an initialised GPT, in place."""
     tp, dp = mesh["tp"].size(), mesh["dp_replicate"].size() * mesh["dp_shard"].size()
     if tp > 1:
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
-    if cfg.train.activation_checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=cfg.model.dropout > 0)
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.ac_every,
+                                   preserve_rng=cfg.model.dropout > 0)
     if cfg.train.compile:
         for block in model.layers:
             block.compile()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from hybridpar.config import ParallelConfig
 
@@ -33,13 +33,25 @@ def check_strategy(cfg: ParallelConfig, dp_replicate: int, dp_shard: int) -> Non
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool) -> nn.Module:
-    """fully_shard each block, then the root (embeddings, final norm, LM head), in place."""
+    """fully_shard each block, then the root (embeddings, final norm, LM head), in place.
+
+    Prefetch: FSDP2 by itself issues the all-gather of the next block when the current one starts (forward) or
+    finishes (backward). parallel.fsdp_prefetch = k > 1 lists the next k blocks explicitly, so k all-gathers are
+    in flight ahead of compute (more overlap on slow links, k blocks' unsharded parameters held at once).
+    """
     dp_mesh = dp_mesh_of(mesh)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                               reduce_dtype=torch.float32 if bf16 else None)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.fsdp_cpu_offload else OffloadPolicy()
     reshard = cfg.fsdp_strategy != "shard_grad_op"
-    for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    blocks = list(model.layers)
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     # The root's parameters are needed again right after forward (LM head -> loss -> backward): keep them.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
+    k = cfg.fsdp_prefetch
+    if k > 1:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + k])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - k):i][::-1])
     return model

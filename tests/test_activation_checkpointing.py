@@ -1,0 +1,60 @@
+"""Activation checkpointing modes: the same gradients as none, and less kept for backward (measured by what
+autograd saves outside checkpointed regions)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybridpar.models import build_model, get_model_config
+from hybridpar.parallel import apply_activation_checkpointing
+
+
+def _run(mode: str, every: int = 1):
+    torch.manual_seed(0)
+    cfg = get_model_config("tiny", n_layers=4, vocab_size=512)
+    model = build_model(cfg, device="cpu")
+    apply_activation_checkpointing(model, mode, every)
+    x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    loss.backward()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
+    return loss.item(), grads, sum(saved), model
+
+
+def test_modes_give_identical_gradients_and_save_less():
+    loss0, g0, bytes_none, _ = _run("none")
+    results = {(mode, every): _run(mode, every) for mode, every in (("full", 1), ("full", 2), ("selective", 1))}
+    for (mode, every), (loss, grads, _, _) in results.items():
+        assert loss == loss0
+        assert sorted(grads) == sorted(g0)
+        for name, g in g0.items():
+            assert torch.equal(grads[name], g), (mode, every, name)
+    full_all, full_half, selective = (r[2] for r in results.values())
+    assert full_all < full_half < bytes_none
+    assert full_all < selective < bytes_none
+
+
+def test_wrapped_parameters_keep_their_names():
+    _, _, _, model = _run("full", 2)
+    plain = set(build_model(get_model_config("tiny", n_layers=4, vocab_size=512), device="meta",
+                            init=False).state_dict())
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    assert set(get_model_state_dict(model)) == plain
+
+
+def test_bad_mode_is_a_config_error():
+    from hybridpar.config_cli import ConfigError, load_config
+    with pytest.raises(ConfigError, match="train.activation_checkpointing='some' is not one of none, full, selective"):
+        load_config(["--train.activation_checkpointing", "some"])
+    with pytest.raises(ValueError, match="train.ac_every=0 must be > 0"):
+        load_config(["--train.ac_every", "0"])
