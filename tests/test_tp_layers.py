@@ -58,16 +58,15 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
         out["ce"] = abs(got.full_tensor().item() - want.item())
         out["ce_grad"] = (dlogits.grad.full_tensor() - logits.grad).abs().max().item()
 
-        # 3. FSDP2 accumulation: no reduce-scatter on the first of two microbatches.
-        dp_mesh = init_device_mesh("cpu", (1, world, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-        model = build_model(get_model_config("tiny", n_layers=2), device="cpu")
-        apply_fsdp(model, dp_mesh, ParallelConfig(), bf16=False)
+        # 3. FSDP2 accumulation: no gradient collective on the first of two microbatches, for FSDP (dp_shard=2)
+        # and for HSDP's replicate all-reduce (dp_replicate=2).
         xb = torch.randint(0, 4096, (1, 16))
-        calls = {"reduce_scatter": 0, "all_gather": 0}
-        # FSDP2 reaches these through the torch.distributed module (the names changed across torch releases).
         entry = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-                 "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather"}
+                 "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+                 "all_reduce": "all_reduce"}
+        # FSDP2 reaches these through the torch.distributed module (the names changed across torch releases).
         real = {name: getattr(dist, name) for name in entry if hasattr(dist, name)}
+        calls = {}
 
         def counting(name):
             def call(*a, **k):
@@ -75,18 +74,22 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
                 return real[name](*a, **k)
             return call
 
-        for name in real:
-            setattr(dist, name, counting(name))
-        counts = []
-        try:
-            for i in range(2):
-                calls.update(reduce_scatter=0, all_gather=0)
-                forward_backward_no_pipelining(model, [(xb, xb)] * (i + 1), 32, torch.device("cpu"))
-                counts.append(dict(calls))
-        finally:
-            for name, fn in real.items():
-                setattr(dist, name, fn)
-        out["fsdp_counts"] = counts
+        for shape, key in (((1, world, 1), "fsdp_counts"), ((world, 1, 1), "hsdp_counts")):
+            dp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+            model = build_model(get_model_config("tiny", n_layers=2), device="cpu")
+            apply_fsdp(model, dp_mesh, ParallelConfig(), bf16=False)
+            for name in real:
+                setattr(dist, name, counting(name))
+            counts = []
+            try:
+                for i in range(2):
+                    calls.update(reduce_scatter=0, all_gather=0, all_reduce=0)
+                    forward_backward_no_pipelining(model, [(xb, xb)] * (i + 1), 32, torch.device("cpu"))
+                    counts.append(dict(calls))
+            finally:
+                for name, fn in real.items():
+                    setattr(dist, name, fn)
+            out[key] = counts
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -111,3 +114,9 @@ def test_tp_layers_loss_parallel_and_fsdp_accumulation(tmp_path):
         # once more for the second forward (blocks reshard after forward) but not again for its backward.
         assert two["reduce_scatter"] == one["reduce_scatter"], (one, two)
         assert two["all_gather"] < 2 * one["all_gather"], (one, two)
+        # HSDP with dp_replicate=2: gradients are all-reduced across replicas once per FSDP group, on the last
+        # microbatch only.
+        one, two = r["hsdp_counts"]
+        print("hsdp collective counts, 1 vs 2 microbatches:", one, two)
+        assert one["all_reduce"] == 3, one
+        assert two["all_reduce"] == 3, two
