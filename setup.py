@@ -21,6 +21,11 @@ setup(
         "pyyaml",
         "wandb",
         "tokenizers>=0.15",
+        # The data layer (GPTDataset, BlendedDataset); hybridpar guards its 0.16 failure modes (see
+        # hybridpar/data/gpt_data.py) and builds its datasets itself, so the minor version is pinned.
+        "megatron-core==0.16.*",
+        "sentencepiece",  # tokenizer spec sentencepiece:MODEL
+        "zstandard",  # .zst inputs of launch/preprocess_data.py
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout"],

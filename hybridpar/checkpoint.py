@@ -6,7 +6,8 @@ so a checkpoint does not depend on the layout that wrote it. Parameter names are
 
 Layout of a run directory:
     <run.dir>/checkpoints/step_00000200/   DCP files (.metadata, __<rank>_0.distcp)
-                                           {"model": ..., "optim": ..., "step": int}
+                                           {"model": ..., "optim": ..., "step": int},
+                                           plus the tokenizer and config.yaml
 
 `load_full_model_state(path)` reads the model weights of a checkpoint into one process as plain tensors, without
 a process group (for export, evaluation, and layout comparisons).
@@ -76,6 +77,11 @@ class CheckpointHook:
     def _save(self, trainer, step: int) -> None:
         path = checkpoint_dir(trainer.run_dir, step)
         save_checkpoint(path, trainer.model, trainer.optimizer, step)
+        if dist.get_rank() == 0:  # what sampling from the checkpoint later needs besides the weights
+            from hybridpar.config_cli import dump_yaml
+
+            trainer.tokenizer.save(path)
+            (path / "config.yaml").write_text(dump_yaml(trainer.cfg))
         dist.barrier()
         prune_checkpoints(trainer.run_dir, self.keep_last)
         trainer.log.print(f"saved checkpoint {path}")

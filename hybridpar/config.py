@@ -109,10 +109,13 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    path: str = doc("builtin", "training text: 'builtin' (Python's own documentation) or a UTF-8 text file")
-    tokenizer: str = doc("train-bpe:4096", "'bytes' (256 tokens), 'bpe:PATH' (tokenizer.json) or 'train-bpe:N' (train an N-token byte-level BPE on the corpus, cached)")
-    split: str = doc("95,5,0", "train,valid,test weights of the corpus, in document order")
-    cache_dir: str = doc("~/.cache/hybridpar", "where the built corpus, tokenizers and token arrays are cached")
+    path: str = doc("builtin", "'builtin' (Python's own documentation), a Megatron .bin/.idx prefix, or a weighted "
+                               "blend 'W1 PREFIX1 W2 PREFIX2 ...' (see docs/data.md)")
+    tokenizer: str = doc("train-bpe:4096", "the data's tokenizer: bytes, bpe:PATH (tokenizer.json), gpt2:DIR, "
+                                           "sentencepiece:MODEL, or train-bpe:N (an N-token BPE trained on the builtin corpus)")
+    split: str = doc("95,5,0", "train,valid,test weights, by document (each prefix of a blend is split alike)")
+    cache_dir: str = doc("~/.cache/hybridpar", "built corpus, tokenizers and dataset index caches; shared by all "
+                                               "nodes of a multi-node run")
 
     def __post_init__(self):
         parts = self.split.split(",")

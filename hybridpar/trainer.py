@@ -21,11 +21,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.config import Config
-from hybridpar.data import DataParallelBatches, TokenWindows, load_corpus, validation_batches
+from hybridpar.data import build_training_data
 from hybridpar.distributed import dp_rank_size
 from hybridpar.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger
-from hybridpar.microbatch import count_target_tokens, forward_backward_no_pipelining, token_loss_sum
+from hybridpar.microbatch import IGNORE_INDEX, count_target_tokens, forward_backward_no_pipelining, token_loss_sum
 from hybridpar.models import build_model, count_params
 from hybridpar.optim import build_optimizer, clip_grad_norm
 from hybridpar.parallel import check_layout, parallelize_gpt
@@ -72,16 +72,9 @@ class Trainer:
         self.log = logger  # opened by fit(): constructing a Trainer writes nothing into run_dir
 
         # Data first: the tokenizer's vocabulary must fit the model before anything is built.
-        self.corpus = load_corpus(cfg.data)
-        tok = self.corpus.tokenizer
-        if tok.vocab_size > cfg.model.vocab_size:
-            raise ValueError(f"tokenizer {cfg.data.tokenizer!r} has {tok.vocab_size} tokens but model.vocab_size="
-                             f"{cfg.model.vocab_size}; set --model.vocab_size {128 * math.ceil(tok.vocab_size / 128)}")
+        self.data = build_training_data(cfg, self.dp_rank, self.dp_size, self.tp, pin_memory=device.type == "cuda")
+        self.tokenizer = self.data.tokenizer
         t = cfg.train
-        self.batches = DataParallelBatches(TokenWindows(self.corpus.train, t.seq_len, t.seed), t.global_batch_size,
-                                           t.micro_batch_size, self.dp_rank, self.dp_size)
-        self.val_batches = validation_batches(TokenWindows(self.corpus.valid, t.seq_len, t.seed, shuffle=False),
-                                              t.eval_batches, t.micro_batch_size, self.dp_rank, self.dp_size)
 
         # Model: every rank initialises the same full weights from the seed (so the initial model is bitwise the
         # same for every layout), then parallelize() shards them. Known limit: the full model must fit in one
@@ -113,9 +106,9 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        microbatches = self.batches.microbatches(step)
-        n_tokens = torch.tensor(float(count_target_tokens(microbatches)))
-        n_tokens = int(self._dp_sum(n_tokens.to(self.device)).item()) if self.dp_size > 1 else int(n_tokens)
+        microbatches = self.data.train.microbatches(step)
+        # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
+        n_tokens = self._dp_sum(torch.tensor(float(count_target_tokens(microbatches)), device=self.device))
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
                                               loss_fn=token_loss_sum, grad_scale=self.grad_scale,
                                               autocast=self.autocast, loss_context=self.loss_context)
@@ -129,13 +122,13 @@ class Trainer:
         """Mean token loss over the fixed validation batches, all data-parallel ranks together."""
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
-        for x, y in self.val_batches:
+        for x, y in self.data.valid:
             with self.loss_context():
                 with self.autocast():
                     logits = self.model(x.to(self.device))
                 loss = token_loss_sum(logits, y.to(self.device))
             total[0] += loss.to_local() if hasattr(loss, "to_local") else loss
-            total[1] += y.numel()
+            total[1] += (y != IGNORE_INDEX).sum()
         self.model.train()
         total = self._dp_sum(total)
         return float(total[0] / total[1])
@@ -150,17 +143,16 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         if self.log is None:
             self.log = MetricsLogger(cfg, self.run_dir, enabled=self.rank == 0)
-        result = TrainResult(unigram_loss=self.corpus.unigram_loss())
+        result = TrainResult(unigram_loss=self.data.unigram_loss)
         tokens_per_step = t.global_batch_size * t.seq_len
         self.log.print(
             f"model {cfg.model.name}: {count_params(self.model) / 1e6:.2f}M parameters | device {self.device} "
             f"({cfg.train.precision}) | mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}\n"
-            f"data {cfg.data.path} ({self.corpus.n_docs} documents, sha256 {self.corpus.sha256[:12]}): "
-            f"{len(self.corpus.train):,} train / {len(self.corpus.valid):,} valid tokens, tokenizer "
-            f"{cfg.data.tokenizer} ({self.corpus.tokenizer.vocab_size} tokens)\n"
+            f"data {self.data.description}: {len(self.data.train.dataset):,} train samples of {t.seq_len + 1} "
+            f"tokens, split {cfg.data.split}, tokenizer {cfg.data.tokenizer} ({self.tokenizer.vocab_size} tokens)\n"
             f"batch {t.global_batch_size} x {t.seq_len} = {tokens_per_step:,} tokens/step, "
-            f"{cfg.grad_accum_steps(self.dp_size)} microbatch(es) of {t.micro_batch_size} per rank | "
-            f"unigram baseline {result.unigram_loss:.3f} nats/token")
+            f"{cfg.grad_accum_steps(self.dp_size)} microbatch(es) of {t.micro_batch_size} per rank"
+            + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss) else ""))
         start = time.perf_counter()
         if t.eval_interval:
             self._validate(result)
@@ -192,10 +184,11 @@ class Trainer:
             hook.on_train_end(self)
         self.log.print(f"done: {self.step} steps in {result.wall_time:.1f}s")
         self.log.close()
+        self.data.close()
         return result
 
     def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
-        tok = self.corpus.tokenizer
+        tok = self.tokenizer
         ids = generate(self.model, tok.encode(prompt), n_tokens, self.cfg.train.seq_len, temperature,
                        self.device, seed=self.cfg.train.seed, pad_multiple=self.tp)
         return tok.decode(ids)

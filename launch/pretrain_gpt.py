@@ -53,7 +53,7 @@ def main(cfg: Config) -> TrainResult:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-            trainer.corpus.tokenizer.save(run_dir)
+            trainer.tokenizer.save(run_dir)
             trainer.log = MetricsLogger(cfg, run_dir, enabled=True, config_dict=to_dict(cfg))
             trainer.log.print(f"run dir {run_dir}")
         return trainer.fit()

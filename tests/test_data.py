@@ -1,14 +1,36 @@
-"""Data: tokenizers, the built-in corpus, deterministic windows and the data-parallel split of a global batch."""
+"""Data: tokenizers (bytes, BPE, GPT-2 files, SentencePiece), the built-in corpus, and the preprocessing and
+tokenizer-training tools as a user runs them."""
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import numpy as np
 import pytest
-import torch
 
-from hybridpar.config import DataConfig
-from hybridpar.data import DataParallelBatches, TokenWindows, load_corpus, validation_batches
-from hybridpar.data.tokenizer import ByteTokenizer, load_tokenizer
+from conftest import run_cli
+from hybridpar.config_cli import load_config
+from hybridpar.data.corpus import load_builtin_corpus
+from hybridpar.data.dataset import check_vocab, prepare_builtin, unigram_loss
+from hybridpar.data.indexed import IndexedTokens
+from hybridpar.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
+
+TEXTS = ["The model trains on tokens.", "Données: naïve café — ok", "def f(x):\n    return x + 1\n", "a"]
+
+
+@pytest.fixture(scope="module")
+def jsonl(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "small.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for i in range(60):
+            f.write(json.dumps({"id": i, "text": TEXTS[i % len(TEXTS)] * (1 + i % 3)}) + "\n")
+    return path
+
+
+def _docs_of(prefix, tokenizer):
+    data = IndexedTokens(prefix)
+    return [tokenizer.decode(data[i][:-1].tolist()) for i in range(len(data))], [int(data[i][-1]) for i in range(len(data))]
 
 
 def test_byte_tokenizer_roundtrip():
@@ -17,57 +39,126 @@ def test_byte_tokenizer_roundtrip():
     assert tok.decode(tok.encode(text)) == text and max(tok.encode(text)) < 256
 
 
-def test_builtin_corpus_and_trained_bpe(cache_dir):
-    corpus = load_corpus(DataConfig(cache_dir=str(cache_dir)))
-    tok = corpus.tokenizer
-    assert tok.vocab_size == 4096 and corpus.n_docs > 3000
-    assert 300_000 < len(corpus.train) and len(corpus.valid) > 10_000
+def test_builtin_corpus_preprocessed_with_the_trained_bpe(cache_dir):
+    cfg = load_config(["--data.cache_dir", str(cache_dir)])
+    prefix, tok, description = prepare_builtin(cfg, cache_dir)
+    assert tok.vocab_size == 4096 and "documents" in description
+    data = IndexedTokens(prefix)
+    docs, _ = load_builtin_corpus(cache_dir)
+    assert len(data) == len(docs) > 3000 and data.n_tokens > 400_000
+    assert tok.decode(data[5][:-1].tolist()) == docs[5] and int(data[5][-1]) == tok.eod_id
     text = "Return the number of items in a container."
-    assert tok.decode(tok.encode(text)) == text
     assert len(tok.encode(text)) < len(text) / 2.5  # a BPE trained on this text compresses it
-    assert 5.5 < corpus.unigram_loss() < 8.0
-    again = load_corpus(DataConfig(cache_dir=str(cache_dir)))  # from the cache: identical
-    assert again.sha256 == corpus.sha256 and np.array_equal(again.train, corpus.train)
+    assert 5.5 < unigram_loss(prefix, cfg.data.split_fractions, tok.vocab_size) < 8.0
+    assert prepare_builtin(cfg, cache_dir)[0] == prefix  # cached
 
 
-def test_bad_data_specs(tmp_path):
-    with pytest.raises(ValueError, match="data.path='nope.txt': no such file"):
-        load_corpus(DataConfig(path="nope.txt", cache_dir=str(tmp_path)))
-    with pytest.raises(ValueError, match="is not a tokenizer spec"):
-        load_tokenizer("sentencepiece", [], "", tmp_path)
-    with pytest.raises(ValueError, match="at least 512"):
-        load_tokenizer("train-bpe:10", [], "", tmp_path)
-    one = tmp_path / "one.txt"
-    one.write_text("a single document")
-    with pytest.raises(ValueError, match="empty train or valid split"):
-        load_corpus(DataConfig(path=str(one), tokenizer="bytes", cache_dir=str(tmp_path)))
+def test_gpt2_files_and_sentencepiece_load_offline(tmp_path):
+    docs, _ = load_builtin_corpus_small()
+    bpe = train_bpe(docs, 600)
+    bpe.model.save(str(tmp_path))  # vocab.json + merges.txt, the layout of GPT-2's files
+    gpt2 = load_tokenizer(f"gpt2:{tmp_path}")
+    for text in TEXTS[:3]:
+        assert gpt2.encode(text) == bpe.encode(text).ids and gpt2.decode(gpt2.encode(text)) == text
+    (tmp_path / "vocab.json").rename(tmp_path / "encoder.json")
+    (tmp_path / "merges.txt").rename(tmp_path / "vocab.bpe")
+    assert load_tokenizer(f"gpt2:{tmp_path}").encode(TEXTS[0]) == bpe.encode(TEXTS[0]).ids
+
+    import sentencepiece as spm
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_prefix=str(tmp_path / "sp"), vocab_size=200,
+                                   model_type="bpe", minloglevel=2)
+    sp = load_tokenizer(f"sentencepiece:{tmp_path / 'sp.model'}")
+    assert sp.vocab_size == 200 and sp.decode(sp.encode(TEXTS[0])) == TEXTS[0] and sp.eod_id == 2
+    (tmp_path / "run").mkdir()
+    sp.save(tmp_path / "run")  # saved with the run and its checkpoints
+    assert (tmp_path / "run" / "tokenizer.model").read_bytes() == (tmp_path / "sp.model").read_bytes()
 
 
-def test_windows_are_deterministic_and_cover_each_epoch():
-    tokens = np.arange(1001, dtype=np.uint16)
-    w = TokenWindows(tokens, seq_len=10, seed=3)
-    assert w.n_windows == 100
-    x, y = w.batch(range(100))
-    assert torch.equal(x[:, 1:], y[:, :-1])
-    starts = sorted(int(r[0]) for r in x)
-    assert starts == list(range(0, 1000, 10))  # one epoch visits every window once
-    x2, _ = TokenWindows(tokens, seq_len=10, seed=3).batch([5, 250, 7])
-    assert torch.equal(x2[0], x[5]) and torch.equal(x2[2], x[7])
-    x3, _ = TokenWindows(tokens, seq_len=10, seed=4).batch(range(100))
-    assert not torch.equal(x3, x)
+def load_builtin_corpus_small():
+    docs = [t * k for t in TEXTS for k in range(1, 30)]
+    docs += ["the quick brown fox jumps over the lazy dog " * 3, "import numpy as np\nx = np.zeros(3)\n"] * 20
+    return docs, ""
 
 
-@pytest.mark.parametrize("dp_size, micro", [(1, 8), (2, 2), (4, 1), (2, 4)])
-def test_data_parallel_ranks_partition_the_global_batch(dp_size, micro):
-    w = TokenWindows(np.arange(5001, dtype=np.uint16), seq_len=10, seed=0)
-    reference = torch.cat([x for x, _ in DataParallelBatches(w, 8, 8, 0, 1).microbatches(step=3)])
-    parts = [x for r in range(dp_size) for x, _ in DataParallelBatches(w, 8, micro, r, dp_size).microbatches(3)]
-    assert all(p.shape[0] == micro for p in parts)
-    assert torch.equal(torch.cat(parts), reference)
+def test_tokenizer_spec_errors(tmp_path):
+    for spec, message in [("sentencepiece", "is not a tokenizer spec"), ("train-bpe:10", "at least 512"),
+                          (f"gpt2:{tmp_path}", "holds neither vocab.json"), ("bpe:/nope.json", "no such file"),
+                          ("sentencepiece:/nope.model", "no such file")]:
+        with pytest.raises(ValueError, match=message):
+            load_tokenizer(spec, [], "", tmp_path)
 
 
-def test_validation_batches_are_fixed_and_split_across_ranks():
-    w = TokenWindows(np.arange(401, dtype=np.uint16), seq_len=10, seed=0, shuffle=False)
-    one = torch.cat([x for x, _ in validation_batches(w, 2, 4, 0, 1)])
-    two = torch.cat([x for r in range(2) for x, _ in validation_batches(w, 1, 4, r, 2)])
-    assert torch.equal(one, two) and one.shape == (8, 10)
+def test_vocab_padding_rule():
+    cfg = load_config([])
+    bpe = type("T", (), {"vocab_size": 4096, "spec": "x"})()
+    check_vocab(cfg, bpe, tp=2)
+    with pytest.raises(ValueError, match="has 5000 tokens but model.vocab_size=4096; set --model.vocab_size 5120"):
+        check_vocab(cfg, type("T", (), {"vocab_size": 5000, "spec": "x"})(), tp=1)
+    with pytest.raises(ValueError, match=r"model.vocab_size=4160 is not a multiple of 128 x tp = 128; set --model.vocab_size 4224"):
+        check_vocab(load_config(["--model.vocab_size", "4160"]), bpe, tp=1)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_preprocess_jsonl(tmp_path, jsonl, tokenizer):
+    if tokenizer == "bpe":
+        out = run_cli(["launch/train_tokenizer.py", "--input", str(jsonl), "--vocab-size", "600", "--output",
+                       str(tmp_path / "tok.json")])
+        assert out.returncode == 0, out.stderr
+        spec = f"bpe:{tmp_path / 'tok.json'}"
+    else:
+        spec = "bytes"
+    out = run_cli(["launch/preprocess_data.py", "--input", str(jsonl), "--tokenizer", spec, "--output-prefix",
+                   str(tmp_path / "out" / "small"), "--workers", "2"])
+    assert out.returncode == 0, out.stderr
+    assert "60 documents" in out.stdout and "tokens/s" in out.stdout
+    tok = load_tokenizer(spec)
+    docs, eods = _docs_of(tmp_path / "out" / "small", tok)
+    with gzip.open(jsonl, "rt") as f:
+        want = [json.loads(line)["text"] for line in f]
+    assert docs == want and set(eods) == {tok.eod_id}
+    if tokenizer == "bpe":
+        assert IndexedTokens(tmp_path / "out" / "small").n_tokens < sum(len(w.encode()) for w in want)
+
+
+def test_preprocess_plain_text_blank_line_blocks(tmp_path):
+    (tmp_path / "a.txt").write_text("first block\nstill first\n\nsecond block\n\n\nthird\n")
+    out = run_cli(["launch/preprocess_data.py", "--input", str(tmp_path / "a.txt"), "--tokenizer", "bytes",
+                   "--output-prefix", str(tmp_path / "t"), "--blank-line-docs", "--no-append-eod"])
+    assert out.returncode == 0, out.stderr
+    data = IndexedTokens(tmp_path / "t")
+    assert [bytes(data[i].tolist()).decode() for i in range(len(data))] == [
+        "first block\nstill first\n", "second block\n", "third\n"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json-key", "body"], "has no key 'body' (it has ['id', 'text']); pass --json-key"),
+    (["--tokenizer", "train-bpe:1000"], "train a tokenizer first with launch/train_tokenizer.py"),
+    (["--workers", "0"], "--workers 0: give at least 1"),
+])
+def test_preprocess_errors_are_one_line_and_write_nothing(tmp_path, jsonl, args, message):
+    argv = ["launch/preprocess_data.py", "--input", str(jsonl), "--tokenizer", "bytes", "--output-prefix",
+            str(tmp_path / "x"), *args]
+    out = run_cli(argv)
+    assert out.returncode == 2 and out.stderr.strip().startswith("error:") and message in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_preprocess_refuses_to_overwrite(tmp_path, jsonl):
+    argv = ["launch/preprocess_data.py", "--input", str(jsonl), "--tokenizer", "bytes", "--output-prefix",
+            str(tmp_path / "x")]
+    assert run_cli(argv).returncode == 0
+    before = (tmp_path / "x.bin").stat().st_mtime_ns
+    out = run_cli(argv)
+    assert out.returncode == 2 and "already exist; pass --overwrite" in out.stderr
+    assert (tmp_path / "x.bin").stat().st_mtime_ns == before
+
+
+def test_preprocess_reads_zstd_jsonl(tmp_path):
+    import zstandard
+
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in TEXTS).encode()
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    out = run_cli(["launch/preprocess_data.py", "--input", str(tmp_path / "c.jsonl.zst"), "--tokenizer", "bytes",
+                   "--output-prefix", str(tmp_path / "z")])
+    assert out.returncode == 0, out.stderr
+    assert _docs_of(tmp_path / "z", ByteTokenizer())[0] == TEXTS

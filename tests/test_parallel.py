@@ -60,6 +60,8 @@ def reference(tmp_path_factory, cache_dir):
     root = tmp_path_factory.mktemp("ref")
     losses, _ = _train(root, cache_dir, "ref", 1)
     assert len(losses) == 6
+    ckpt = checkpoint_dir(root / "ref", 6)
+    assert (ckpt / "tokenizer.json").is_file() and "steps: 6" in (ckpt / "config.yaml").read_text()
     return losses, _final_weights(root / "ref")
 
 

@@ -1,14 +1,12 @@
-"""Token streams, fixed-length windows, and the data-parallel slice of each global batch.
+"""What the trainer needs from the data: the tokenizer, this rank's train loader, the fixed validation batches.
 
-A split is one token stream: its documents tokenized, each followed by the end-of-document token, concatenated
-(sequences are packed across document boundaries, as Megatron's GPTDataset does). Window w of a stream is the
-`seq_len + 1` tokens starting at w * seq_len; inputs are its first seq_len tokens, targets its last seq_len.
+data.path is 'builtin' (Python's own documentation, preprocessed once into a cached .bin/.idx with the tokenizer
+data.tokenizer names) or one Megatron indexed-dataset prefix, or a weighted blend of them ('0.7 pathA 0.3 pathB').
+Either way the samples come from megatron-core's GPTDataset: sequences of seq_len + 1 tokens packed across
+document boundaries (each document ends with the EOD token), documents and samples shuffled from the seed.
 
-The data position is one integer, the number of samples consumed. Sample i of the run is window perm_e[i mod n] of
-epoch e = i // n, with perm_e a permutation seeded by (seed, e). Global batch s is samples [s*G, (s+1)*G); data-
-parallel rank r takes the contiguous slice [r*G/dp, (r+1)*G/dp) of it, cut into microbatches. The whole run's data
-is therefore a pure function of (seed, step), whatever the layout, which is what makes loss curves comparable
-across layouts and a resumed run exact.
+Validation is a fixed set: the first train.eval_batches x global_batch_size samples of the valid split, split over
+data-parallel ranks like a training batch, so its loss is the same number for every layout.
 """
 
 from __future__ import annotations
@@ -19,126 +17,107 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
+import torch.distributed as dist
 
-from hybridpar.config import DataConfig
-from hybridpar.data.corpus import load_builtin_corpus, load_text_file
+from hybridpar.config import Config
+from hybridpar.data.corpus import load_builtin_corpus
+from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, parse_blend, split_ranges
+from hybridpar.data.indexed import IndexedTokens, idx_path
+from hybridpar.data.preprocess import preprocess
 from hybridpar.data.tokenizer import load_tokenizer
+
+UNIGRAM_MAX_TOKENS = 50_000_000  # the unigram baseline reads the data once; skip it for large corpora
+
+
+def prepare_builtin(cfg: Config, cache_dir: Path):
+    """The built-in corpus as an indexed dataset in the cache (built once per corpus and tokenizer); returns
+    (prefix, tokenizer, description). A trained tokenizer (train-bpe:N) learns from the train split's documents."""
+    docs, sha = load_builtin_corpus(cache_dir)
+    n_train = split_ranges(len(docs), cfg.data.split_fractions)[0][1]
+    tokenizer = load_tokenizer(cfg.data.tokenizer, docs[:n_train], sha, cache_dir)
+    prefix = cache_dir / f"builtin-{sha[:16]}-{tokenizer.fingerprint}"
+    if not idx_path(prefix).is_file():
+        # Several ranks may get here at once: each writes its own temporary files; the renames are atomic.
+        tmp = prefix.with_name(f"{prefix.name}.{os.getpid()}")
+        preprocess(iter(docs), cfg.data.tokenizer, tmp, tokenizer=tokenizer)
+        for ext in (".bin", ".idx"):
+            os.replace(f"{tmp}{ext}", f"{prefix}{ext}")
+    return str(prefix), tokenizer, f"builtin ({len(docs)} documents, sha256 {sha[:12]})"
+
+
+def check_vocab(cfg: Config, tokenizer, tp: int) -> None:
+    """The model's vocabulary holds the tokenizer's, padded to a multiple of 128 x tp (Megatron's rule)."""
+    v, need = cfg.model.vocab_size, tokenizer.vocab_size
+    pad = 128 * tp
+    padded = pad * math.ceil(need / pad)
+    if v < need:
+        raise ValueError(f"tokenizer {tokenizer.spec!r} has {need} tokens but model.vocab_size={v}; set "
+                         f"--model.vocab_size {padded}")
+    if v % pad:
+        raise ValueError(f"model.vocab_size={v} is not a multiple of 128 x tp = {pad}; set --model.vocab_size "
+                         f"{pad * math.ceil(v / pad)}")
+
+
+def unigram_loss(prefix: str, fractions, vocab_size: int) -> float:
+    """Cross entropy (nats/token) of the valid split under the train split's unigram distribution (add-one
+    smoothed): the loss of a model that ignores context. NaN for corpora over UNIGRAM_MAX_TOKENS."""
+    data = IndexedTokens(prefix)
+    if data.n_tokens > UNIGRAM_MAX_TOKENS:
+        return float("nan")
+    (tb, te), (vb, ve), _ = split_ranges(len(data), fractions)
+
+    def tokens(beg, end):
+        if end <= beg:
+            return np.zeros(0, np.int64)
+        start = int(data.sequence_pointers[beg]) // data.dtype.itemsize
+        stop = int(data.sequence_pointers[end - 1]) // data.dtype.itemsize + int(data.sequence_lengths[end - 1])
+        return np.asarray(data.tokens[start:stop])
+
+    counts = np.bincount(tokens(tb, te), minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    valid = tokens(vb, ve)
+    return float(-logp[valid].mean()) if len(valid) else float("nan")
 
 
 @dataclass
-class Corpus:
-    """A tokenized corpus split into train/valid/test token streams."""
+class TrainingData:
     tokenizer: object
-    train: np.ndarray
-    valid: np.ndarray
-    test: np.ndarray
-    sha256: str
-    n_docs: int
+    train: GlobalBatchLoader
+    valid: list  # this rank's fixed validation microbatches
+    description: str
+    unigram_loss: float
 
-    def unigram_loss(self) -> float:
-        """Cross entropy (nats/token) of the validation stream under the train stream's unigram distribution
-        (add-one smoothed): the loss a model that ignores context would reach. Learning means going below it."""
-        counts = np.bincount(self.train, minlength=self.tokenizer.vocab_size).astype(np.float64) + 1.0
-        logp = np.log(counts / counts.sum())
-        return float(-logp[self.valid].mean())
+    def close(self) -> None:
+        self.train.close()
 
 
-def _tokenize_split(docs: list[str], tokenizer) -> np.ndarray:
-    ids = []
-    for chunk in tokenizer.encode_batch(docs):
-        ids.extend(chunk)
-        ids.append(tokenizer.eod_id)
-    dtype = np.uint16 if tokenizer.vocab_size <= 65535 else np.int32
-    return np.asarray(ids, dtype=dtype)
-
-
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """Read, split by document, tokenize (cached by corpus and tokenizer fingerprint) the corpus cfg names."""
-    cache_dir = Path(os.path.expanduser(cfg.cache_dir))
-    if cfg.path == "builtin":
-        docs, sha = load_builtin_corpus(cache_dir)
-    else:
-        path = Path(cfg.path)
-        if not path.is_file():
-            raise ValueError(f"data.path={cfg.path!r}: no such file; give 'builtin' or a UTF-8 text file")
-        docs, sha = load_text_file(path)
-    f_train, f_valid, _ = cfg.split_fractions
-    n_train = int(round(len(docs) * f_train))
-    n_valid = int(round(len(docs) * (f_train + f_valid))) - n_train
-    if n_train == 0 or n_valid == 0:
-        raise ValueError(f"data.split={cfg.split!r} leaves an empty train or valid split of the {len(docs)} "
-                         f"documents in data.path={cfg.path!r}; give more text or larger weights")
-    parts = docs[:n_train], docs[n_train:n_train + n_valid], docs[n_train + n_valid:]
-    tokenizer = load_tokenizer(cfg.tokenizer, parts[0], sha, cache_dir)
-    streams = []
-    for name, part in zip(("train", "valid", "test"), parts):
-        path = cache_dir / f"tokens-{sha[:16]}-{cfg.split.replace(',', '_')}-{tokenizer.fingerprint}-{name}.npy"
-        if path.is_file():
-            arr = np.load(path)
+def build_training_data(cfg: Config, dp_rank: int, dp_size: int, tp: int, pin_memory: bool = False) -> TrainingData:
+    d, t = cfg.data, cfg.train
+    cache_dir = Path(os.path.expanduser(d.cache_dir))
+    if d.path == "builtin":
+        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() != 0:
+            dist.barrier()  # rank 0 builds the cached corpus, tokenizer and token files first
+            path, tokenizer, description = prepare_builtin(cfg, cache_dir)
         else:
-            arr = _tokenize_split(part, tokenizer)
-            tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npy")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.save(tmp, arr)
-            os.replace(tmp, path)
-        streams.append(arr)
-    return Corpus(tokenizer, *streams, sha256=sha, n_docs=len(docs))
-
-
-class TokenWindows:
-    """Non-overlapping (seq_len + 1)-token windows of a stream, visited in a seeded order per epoch."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, shuffle: bool = True):
-        self.tokens, self.seq_len, self.seed, self.shuffle = tokens, seq_len, seed, shuffle
-        self.n_windows = (len(tokens) - 1) // seq_len
-        if self.n_windows < 1:
-            raise ValueError(f"a split of {len(tokens)} tokens is shorter than one sequence of "
-                             f"train.seq_len+1={seq_len + 1} tokens; lower train.seq_len or give more text")
-        self._perm_epoch, self._perm = -1, None
-
-    def _window(self, sample: int) -> int:
-        epoch, i = divmod(sample, self.n_windows)
-        if not self.shuffle:
-            return i
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._perm_epoch = epoch
-        return int(self._perm[i])
-
-    def batch(self, samples: range | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """inputs (b, T) and targets (b, T), int64, of the given global sample indices."""
-        rows = []
-        for s in samples:
-            start = self._window(s) * self.seq_len
-            rows.append(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
-        xy = torch.from_numpy(np.stack(rows))  # (b, T+1)
-        return xy[:, :-1], xy[:, 1:]
-
-
-class DataParallelBatches:
-    """This data-parallel rank's microbatches of each global batch."""
-
-    def __init__(self, windows: TokenWindows, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int):
-        assert global_batch % (micro_batch * dp_size) == 0, "checked by Config.check_world"
-        self.windows, self.global_batch, self.micro_batch = windows, global_batch, micro_batch
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.per_rank = global_batch // dp_size
-
-    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Microbatches of global batch `step` (0-based) for this rank."""
-        first = step * self.global_batch + self.dp_rank * self.per_rank
-        return [self.windows.batch(range(first + m, first + m + self.micro_batch))
-                for m in range(0, self.per_rank, self.micro_batch)]
-
-
-def validation_batches(windows: TokenWindows, n_batches: int, micro_batch: int, dp_rank: int,
-                       dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The fixed validation set: the first n_batches * micro_batch * dp_size windows in order (wrapping around
-    when the split is smaller), this rank's contiguous share of them."""
-    total = min(n_batches * micro_batch * dp_size, math.ceil(windows.n_windows / (micro_batch * dp_size))
-                * micro_batch * dp_size)
-    per_rank = total // dp_size
-    first = dp_rank * per_rank
-    return [windows.batch([i % windows.n_windows for i in range(first + m, first + m + micro_batch)])
-            for m in range(0, per_rank, micro_batch)]
+            path, tokenizer, description = prepare_builtin(cfg, cache_dir)
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.barrier()
+    else:
+        if d.tokenizer.startswith("train-bpe"):
+            raise ValueError(f"data.tokenizer={d.tokenizer!r} trains on the built-in corpus only; give the tokenizer "
+                             f"your data was preprocessed with (bpe:PATH, gpt2:DIR, sentencepiece:MODEL or bytes)")
+        path, tokenizer = d.path, load_tokenizer(d.tokenizer)
+        description = " + ".join(f"{w:.2f} x {p}" for w, p in parse_blend(path)) if " " in path.strip() else path
+    check_vocab(cfg, tokenizer, tp)
+    n_valid = t.eval_batches * t.global_batch_size
+    sets = build_gpt_datasets(path, d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, cfg.model.vocab_size,
+                              {"train": t.steps * t.global_batch_size, "valid": n_valid}, cache_dir)
+    train = GlobalBatchLoader(sets["train"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size,
+                              cfg.model.vocab_size, "train", pin_memory=pin_memory)
+    valid_loader = GlobalBatchLoader(sets["valid"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size,
+                                     cfg.model.vocab_size, "valid", prefetch=0)
+    valid = [mb for k in range(t.eval_batches) for mb in valid_loader._load(k)] if t.eval_interval else []
+    valid_loader.close()
+    blend = parse_blend(path)
+    unigram = unigram_loss(blend[0][1], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1 else float("nan")
+    return TrainingData(tokenizer, train, valid, description, unigram)

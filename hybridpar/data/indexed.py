@@ -152,18 +152,21 @@ class IndexedTokens:
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize
         return np.asarray(self.tokens[start:start + int(self.sequence_lengths[i])])
 
-    def check_vocab(self, vocab_size: int, full_scan_bytes: int = 1 << 30) -> None:
-        """The dtype can hold the vocabulary, and no token id is >= vocab_size: a full scan for files up to
-        full_scan_bytes, else 64 evenly spaced 1M-token chunks (batches are checked again as they are read)."""
+    def check_vocab(self, vocab_size: int, tokenizer_vocab: int | None = None, full_scan_bytes: int = 1 << 30) -> None:
+        """The dtype can hold the tokenizer's vocabulary, and no token id is >= vocab_size (the model's): a full
+        scan for files up to full_scan_bytes, else 64 evenly spaced 1M-token chunks (batches are checked again as
+        they are read)."""
         if self.dtype.kind == "f":
             raise DataError(f"{bin_path(self.prefix)} holds {self.dtype} values, not token ids")
-        top = np.iinfo(self.dtype).max
+        need = tokenizer_vocab or vocab_size
+        if need > np.iinfo(self.dtype).max + 1:
+            raise DataError(f"{bin_path(self.prefix)} stores {self.dtype}, which cannot hold the {need} tokens of "
+                            f"the tokenizer: it was written for another tokenizer; re-run launch/preprocess_data.py")
         tokens = self.tokens
         if tokens.nbytes > full_scan_bytes:
             starts = np.linspace(0, len(tokens) - (1 << 20), 64, dtype=np.int64)
             tokens = np.concatenate([tokens[s:s + (1 << 20)] for s in starts])
         hi = int(tokens.max()) if len(tokens) else -1
         if hi >= vocab_size:
-            raise DataError(f"{bin_path(self.prefix)} holds token id {hi} >= model.vocab_size={vocab_size} "
-                            f"(dtype {self.dtype}, max {top}): it was tokenized with another tokenizer; use that "
-                            f"tokenizer or re-run launch/preprocess_data.py")
+            raise DataError(f"{bin_path(self.prefix)} holds token id {hi} >= model.vocab_size={vocab_size}: it was "
+                            f"tokenized with another tokenizer; use that tokenizer or re-run launch/preprocess_data.py")

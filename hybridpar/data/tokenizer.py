@@ -1,10 +1,14 @@
 """Tokenizers behind one small interface: encode, decode, vocab_size, eod_id.
 
-Specs (data.tokenizer):
+Specs (data.tokenizer, and --tokenizer of launch/preprocess_data.py):
 - `bytes`: the 256 byte values, no files; byte 0 (NUL, absent from text) doubles as the end-of-document token.
 - `bpe:PATH`: a Hugging Face `tokenizer.json`; its `<|endoftext|>` token (or the last id) ends documents.
+- `gpt2:DIR`: GPT-2's byte-level BPE from `vocab.json` + `merges.txt` (or OpenAI's `encoder.json` + `vocab.bpe`),
+  read offline; 50,257 tokens, `<|endoftext|>` = 50256.
+- `sentencepiece:MODEL`: a SentencePiece `.model` file; its EOS piece ends documents.
 - `train-bpe:N`: a byte-level BPE of N tokens trained with Hugging Face `tokenizers` on the training split of the
-  corpus (about a second for 8k tokens on the built-in corpus), cached under data.cache_dir by corpus hash and N.
+  built-in corpus (about a second for 8k tokens), cached under data.cache_dir by corpus hash and N.
+  `python launch/train_tokenizer.py` trains one on your own files.
 """
 
 from __future__ import annotations
@@ -67,8 +71,53 @@ class HFTokenizer:
         return hashlib.sha256(self.tok.to_str().encode()).hexdigest()[:16]
 
 
-def train_bpe(docs: list[str], vocab_size: int):
-    """Train a byte-level BPE (GPT-2 style: bytes as the initial alphabet, so every text encodes)."""
+class SentencePieceTokenizer:
+    def __init__(self, path: str, spec: str):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise ValueError(f"data.tokenizer={spec!r} needs the sentencepiece package: pip install sentencepiece")
+        self.path, self.spec = path, spec
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.vocab_size = self.sp.get_piece_size()
+        self.eod_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else self.vocab_size - 1
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(texts)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def save(self, directory: Path) -> None:
+        (directory / "tokenizer.model").write_bytes(Path(self.path).read_bytes())
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(Path(self.path).read_bytes()).hexdigest()[:16]
+
+
+def _gpt2_bpe(directory: str, spec: str):
+    """GPT-2's tokenizer from its two files, offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    d = Path(directory)
+    for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+        if (d / vocab).is_file() and (d / merges).is_file():
+            break
+    else:
+        raise ValueError(f"data.tokenizer={spec!r}: {directory!r} holds neither vocab.json + merges.txt nor "
+                         f"encoder.json + vocab.bpe; give the directory of GPT-2's tokenizer files")
+    tok = Tokenizer(models.BPE.from_file(str(d / vocab), str(d / merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe(docs: Iterable[str], vocab_size: int):
+    """Train a byte-level BPE (GPT-2 style: bytes as the initial alphabet, so every text encodes), streaming."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -76,7 +125,7 @@ def train_bpe(docs: list[str], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(docs, trainer=trainer, length=len(docs))
+    tok.train_from_iterator(docs, trainer=trainer, length=len(docs) if hasattr(docs, "__len__") else None)
     return tok
 
 
@@ -92,6 +141,12 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
         if not Path(arg).is_file():
             raise ValueError(f"data.tokenizer={spec!r}: no such file {arg!r}; give the path of a tokenizer.json")
         return HFTokenizer(Tokenizer.from_file(arg), spec)
+    if kind == "gpt2" and arg:
+        return HFTokenizer(_gpt2_bpe(arg, spec), spec)
+    if kind == "sentencepiece" and arg:
+        if not Path(arg).is_file():
+            raise ValueError(f"data.tokenizer={spec!r}: no such file {arg!r}; give the path of a SentencePiece .model")
+        return SentencePieceTokenizer(arg, spec)
     if kind == "train-bpe":
         try:
             n = int(arg)
@@ -99,6 +154,9 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
             n = 0
         if n < 512:
             raise ValueError(f"data.tokenizer={spec!r}: give the vocabulary size, at least 512, e.g. train-bpe:8192")
+        if train_docs is None:
+            raise ValueError(f"data.tokenizer={spec!r} trains on the built-in corpus only; for your own data run "
+                             f"launch/train_tokenizer.py and pass bpe:PATH")
         from tokenizers import Tokenizer
 
         path = cache_dir / f"tokenizer-bpe{n}-{corpus_sha[:16]}.json"
@@ -110,4 +168,5 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
         tok.save(str(tmp))
         os.replace(tmp, path)
         return HFTokenizer(tok, spec)
-    raise ValueError(f"data.tokenizer={spec!r} is not a tokenizer spec; use bytes, bpe:PATH or train-bpe:N")
+    raise ValueError(f"data.tokenizer={spec!r} is not a tokenizer spec; use bytes, bpe:PATH, gpt2:DIR, "
+                     f"sentencepiece:MODEL or train-bpe:N")

@@ -1,0 +1,187 @@
+"""Training data from Megatron indexed datasets: megatron-core's GPTDataset (packing, shuffling) and
+BlendedDataset (weighted mixing) behind hybridpar's checks, and the data-parallel loader.
+
+The data position is one global number: samples consumed. Global batch s is samples [s*G, (s+1)*G) of the (blended)
+train dataset; data-parallel rank r takes the contiguous slice [r*G/dp, (r+1)*G/dp), cut into microbatches. The
+order therefore depends on the seed alone, never on the layout, and a run resumed on another dp or tp size continues
+with exactly the samples it would have seen.
+
+Guards around megatron-core (0.16): an empty split makes GPTDataset loop forever looking for an epoch with tokens,
+so splits are checked first; its index caches go under data.cache_dir (never next to possibly read-only data);
+with several ranks, rank 0 builds the caches while the others wait on a gloo barrier with a long timeout (not the
+training process group's), then read them: data.cache_dir must be shared by all nodes, as in Megatron.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hybridpar.data.indexed import DataError, IndexedTokens
+from hybridpar.microbatch import IGNORE_INDEX
+
+SPLITS = ("train", "valid", "test")
+SURPLUS = 0.005  # extra samples per blended component, as megatron-core's builder draws
+
+
+def parse_blend(path: str) -> list[tuple[float, str]]:
+    """'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' -> [(normalised weight, prefix)]."""
+    parts = path.split()
+    if len(parts) == 1:
+        return [(1.0, parts[0])]
+    if len(parts) % 2:
+        raise DataError(f"data.path={path!r}: a blend is 'WEIGHT PREFIX WEIGHT PREFIX ...', e.g. "
+                        f"'0.7 /data/web 0.3 /data/code'")
+    pairs = []
+    for w, prefix in zip(parts[::2], parts[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise DataError(f"data.path={path!r}: blend weight {w!r} is not a number; write e.g. "
+                            f"'0.7 /data/web 0.3 /data/code'") from None
+        if not weight > 0 or math.isinf(weight):
+            raise DataError(f"data.path={path!r}: blend weight {w} must be a positive number")
+        pairs.append((weight, prefix))
+    total = sum(w for w, _ in pairs)
+    return [(w / total, p) for w, p in pairs]
+
+
+def split_ranges(n: int, fractions: tuple[float, float, float]) -> list[tuple[int, int]]:
+    """Document ranges of train/valid/test, rounded as megatron-core's builder rounds them."""
+    bounds, acc = [0.0], 0.0
+    for f in fractions:
+        acc += f
+        bounds.append(min(acc, 1.0))
+    return [(int(round(a * n)), int(round(b * n))) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+class _TokenizerView:
+    """What megatron-core's GPTDataset reads from a tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.vocab_size, self.eod = tokenizer.vocab_size, tokenizer.eod_id
+        self.unique_identifiers = {"class": "hybridpar", "spec": tokenizer.spec, "eod": self.eod,
+                                   "vocab_size": self.vocab_size}
+
+
+def _megatron():
+    """Import megatron-core's dataset classes quietly (it warns about optional NVIDIA packages on import)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.blended_dataset import BlendedDataset
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+        from megatron.core.datasets.utils import Split
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    return BlendedDataset, GPTDataset, GPTDatasetConfig, IndexedDataset, Split
+
+
+def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num_samples: dict[str, int],
+           cache_dir: Path) -> dict[str, object]:
+    BlendedDataset, GPTDataset, GPTDatasetConfig, IndexedDataset, Split = _megatron()
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_len, blend=([p for _, p in blend], [w for w, _ in blend]),
+        split=split, path_to_cache=str(cache_dir / "megatron-index"), tokenizer=_TokenizerView(tokenizer),
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+        mid_level_dataset_surplus=SURPLUS)
+    low = {p: IndexedDataset(p, multimodal=False, mmap=True) for _, p in blend}
+    out = {}
+    for name, n_samples in num_samples.items():
+        parts = []
+        for weight, prefix in blend:
+            beg, end = split_ranges(len(low[prefix]), fractions)[SPLITS.index(name)]
+            size = n_samples if len(blend) == 1 else int(math.ceil(math.ceil(n_samples * weight) * (1 + SURPLUS)))
+            parts.append(GPTDataset(low[prefix], prefix, np.arange(beg, end, dtype=np.int32), size, Split[name],
+                                    config))
+        out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, [w for w, _ in blend], n_samples, config)
+    return out
+
+
+def build_gpt_datasets(data_path: str, split: str, fractions: tuple[float, float, float], seq_len: int, seed: int,
+                       tokenizer, vocab_size: int, num_samples: dict[str, int], cache_dir: Path):
+    """The datasets of each requested split ({'train': n, 'valid': m}), checked before megatron-core sees them.
+    Needs torch.distributed initialised (hybridpar's launcher does so even for one process): megatron-core's
+    BlendedDataset asks for the rank."""
+    blend = parse_blend(data_path)
+    for _, prefix in blend:
+        tokens = IndexedTokens(prefix)  # missing files, magic, version, dtype code, truncation
+        if len(tokens) == 0:
+            raise DataError(f"data.path: {prefix} holds no documents; preprocess some text into it first")
+        tokens.check_vocab(vocab_size, tokenizer.vocab_size)
+        lengths = np.asarray(tokens.sequence_lengths)
+        for name in num_samples:
+            beg, end = split_ranges(len(tokens), fractions)[SPLITS.index(name)]
+            if end <= beg or lengths[beg:end].sum() == 0:
+                raise DataError(f"data.split={split!r} leaves the {name} split of {prefix} empty ({len(tokens)} "
+                                f"documents, {name} gets [{beg}, {end})); give it a larger weight or more data")
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if ranks == 1:
+        return _build(blend, split, fractions, seq_len, seed, tokenizer, num_samples, cache_dir)
+    # Rank 0 builds the index caches; the others wait on a gloo group whose timeout covers long builds, then load.
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=4))
+    out = None
+    if dist.get_rank() == 0:
+        out = _build(blend, split, fractions, seq_len, seed, tokenizer, num_samples, cache_dir)
+    dist.barrier(group=group)
+    if dist.get_rank() != 0:
+        out = _build(blend, split, fractions, seq_len, seed, tokenizer, num_samples, cache_dir)
+    dist.destroy_process_group(group)
+    return out
+
+
+class GlobalBatchLoader:
+    """This data-parallel rank's microbatches of global batch `step`, with the next steps read ahead by a
+    background thread (the device never waits on disk), and every batch's token ids checked against the vocab."""
+
+    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, vocab_size: int,
+                 name: str, prefetch: int = 2, pin_memory: bool = False):
+        self.dataset, self.G, self.micro, self.name = dataset, global_batch, micro_batch, name
+        self.dp_rank, self.per_rank, self.vocab_size = dp_rank, global_batch // dp_size, vocab_size
+        self.prefetch, self.pin = prefetch, pin_memory
+        self.n_steps = len(dataset) // global_batch
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hybridpar-{name}-loader")
+        self._pending: dict = {}
+
+    def sample_indices(self, step: int) -> range:
+        first = step * self.G + self.dp_rank * self.per_rank
+        return range(first, first + self.per_rank)
+
+    def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        idx = self.sample_indices(step)
+        rows = [self.dataset[i] for i in idx]
+        x = torch.stack([r["tokens"] for r in rows])
+        y = torch.stack([r["labels"] for r in rows])
+        mask = torch.stack([r["loss_mask"] for r in rows])
+        y = y.masked_fill(mask == 0, IGNORE_INDEX)
+        hi = int(torch.maximum(x.max(), y.max()))
+        if hi >= self.vocab_size:
+            raise DataError(f"{self.name} samples {idx.start}..{idx.stop - 1} hold token id {hi} >= "
+                            f"model.vocab_size={self.vocab_size}: the data was tokenized with another tokenizer")
+        if self.pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        return [(x[m:m + self.micro], y[m:m + self.micro]) for m in range(0, self.per_rank, self.micro)]
+
+    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if step >= self.n_steps:
+            raise DataError(f"{self.name} data has {len(self.dataset)} samples, {self.n_steps} global batches; "
+                            f"step {step} is past its end")
+        future = self._pending.pop(step, None)
+        batch = future.result() if future is not None else self._load(step)
+        for s in [s for s in self._pending if s < step]:
+            self._pending.pop(s).cancel()
+        for s in range(step + 1, min(step + 1 + self.prefetch, self.n_steps)):
+            if s not in self._pending:
+                self._pending[s] = self._pool.submit(self._load, s)
+        return batch
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,49 @@
+"""Train a byte-level BPE tokenizer (Hugging Face `tokenizers`) on a corpus; writes a tokenizer.json.
+
+    python launch/train_tokenizer.py --input corpus.jsonl --vocab-size 32000 --output tokenizer.json
+    python launch/preprocess_data.py --input corpus.jsonl --tokenizer bpe:tokenizer.json --output-prefix data/corpus
+
+Byte-level (GPT-2 style): every text encodes, no unknown tokens; `<|endoftext|>` is the end-of-document token.
+Reads the same inputs as launch/preprocess_data.py, streaming.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hybridpar.data.indexed import DataError
+from hybridpar.data.preprocess import iter_documents
+from hybridpar.data.tokenizer import train_bpe
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--input", nargs="+", required=True, help="input files (.jsonl[.gz|.zst], .json, or text)")
+    p.add_argument("--json-key", default="text")
+    p.add_argument("--vocab-size", type=int, default=32000, help="tokens, including the byte alphabet")
+    p.add_argument("--output", required=True, help="tokenizer.json to write")
+    p.add_argument("--blank-line-docs", action="store_true", help="text files: one document per blank-line block")
+    p.add_argument("--overwrite", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        if a.vocab_size < 512:
+            raise DataError(f"--vocab-size {a.vocab_size}: give at least 512 (256 bytes + merges)")
+        if Path(a.output).exists() and not a.overwrite:
+            raise DataError(f"--output {a.output} exists; pass --overwrite or another path")
+        for path in a.input:
+            if not Path(path).is_file():
+                raise DataError(f"--input {path}: no such file")
+        tok = train_bpe(iter_documents(a.input, a.json_key, a.blank_line_docs), a.vocab_size)
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+        tok.save(a.output)
+    except (DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.output}: {tok.get_vocab_size()} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,173 @@
+"""The indexed dataset format against megatron-core (both directions), the GPTDataset/blending layer, the
+layout-independent sample order, and every bad-data error."""
+
+from __future__ import annotations
+
+import struct
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, parse_blend
+from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
+from hybridpar.data.tokenizer import ByteTokenizer
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_process_group(tmp_path_factory):
+    """megatron-core's BlendedDataset asks torch.distributed for the rank, as hybridpar's launcher provides even for
+    one process: a real world-size-1 gloo group."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _docs(n: int, seed: int = 0, lo: int = 3, hi: int = 250) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(lo, hi, size=int(rng.integers(1, 40))) for _ in range(n)]
+
+
+def _write(prefix, docs, dtype=np.uint16):
+    with IndexedWriter(prefix, dtype) as w:
+        for d in docs:
+            w.add_document(d)
+    return str(prefix)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.uint8])
+def test_hybridpar_files_read_in_megatron_core(tmp_path, dtype):
+    docs = _docs(50)
+    prefix = _write(tmp_path / "ours", docs, dtype)
+    theirs = IndexedDataset(prefix, multimodal=False, mmap=True)
+    assert len(theirs) == 50 and theirs.index.dtype == dtype
+    for i, d in enumerate(docs):
+        assert np.array_equal(theirs[i], d)
+    assert list(theirs.document_indices) == list(range(51))
+
+
+def test_megatron_core_files_read_in_hybridpar(tmp_path):
+    docs = _docs(40, seed=1)
+    builder = IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.int32)
+    for d in docs:
+        builder.add_item(torch.from_numpy(d))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    ours = IndexedTokens(tmp_path / "theirs")
+    assert len(ours) == 40 and ours.dtype == np.int32 and ours.n_tokens == sum(len(d) for d in docs)
+    for i, d in enumerate(docs):
+        assert np.array_equal(ours[i], d)
+    # ... and they train: megatron-core's GPTDataset over them through hybridpar's checks
+    sets = build_gpt_datasets(str(tmp_path / "theirs"), "80,20,0", (0.8, 0.2, 0.0), 16, 0, ByteTokenizer(), 256,
+                              {"train": 10, "valid": 4}, tmp_path / "cache")
+    sample = sets["train"][0]
+    assert sample["tokens"].shape == (16,) and torch.equal(sample["tokens"][1:], sample["labels"][:-1])
+
+
+def _tagged(tmp_path, name, n_docs, token, length=20):
+    """Documents made of one token id, so every sample tells where it came from."""
+    return _write(tmp_path / name, [np.full(length, token) for _ in range(n_docs)])
+
+
+def test_blend_proportions_follow_the_weights(tmp_path):
+    a, b = _tagged(tmp_path, "a", 200, 7), _tagged(tmp_path, "b", 200, 9)
+    sets = build_gpt_datasets(f"0.7 {a} 0.3 {b}", "100,1,0", (100 / 101, 1 / 101, 0.0), 8, 0, ByteTokenizer(),
+                              256, {"train": 4000}, tmp_path / "cache")
+    train = sets["train"]
+    from_a = sum(int((train[i]["tokens"] == 7).any()) for i in range(4000))
+    assert abs(from_a / 4000 - 0.7) < 0.01
+
+
+def test_splits_are_disjoint(tmp_path):
+    docs = [np.full(10, 10 + i) for i in range(100)]  # document i is made of token 10 + i
+    prefix = _write(tmp_path / "d", docs)
+    sets = build_gpt_datasets(prefix, "80,20,0", (0.8, 0.2, 0.0), 8, 0, ByteTokenizer(), 256,
+                              {"train": 200, "valid": 50}, tmp_path / "cache")
+    seen = {name: set(torch.cat([sets[name][i]["tokens"] for i in range(n)]).tolist())
+            for name, n in (("train", 200), ("valid", 50))}
+    assert seen["train"] <= set(range(10, 90)) and seen["valid"] <= set(range(90, 110))
+    assert not seen["train"] & seen["valid"]
+
+
+def test_global_order_is_the_same_for_any_dp_and_across_a_resume(tmp_path):
+    prefix = _write(tmp_path / "d", _docs(300, seed=2))
+    train = build_gpt_datasets(prefix, "100,1,0", (100 / 101, 1 / 101, 0.0), 16, 5, ByteTokenizer(), 256,
+                               {"train": 8 * 10}, tmp_path / "cache")["train"]
+
+    def global_batch(dp, micro, step, loaders):
+        return torch.cat([x for r in range(dp) for x, _ in loaders[r].microbatches(step)])
+
+    runs = {}
+    for dp, micro in ((1, 8), (2, 2), (4, 1)):
+        loaders = [GlobalBatchLoader(train, 8, micro, r, dp, 256, "train") for r in range(dp)]
+        runs[dp] = [global_batch(dp, micro, s, loaders) for s in range(6)]
+        for loader in loaders:
+            loader.close()
+    for dp in (2, 4):
+        for s in range(6):
+            assert torch.equal(runs[dp][s], runs[1][s]), (dp, s)
+    # Resume at step 3 on another dp size: a fresh loader continues with exactly the same samples.
+    resumed = [GlobalBatchLoader(train, 8, 4, r, 2, 256, "train") for r in range(2)]
+    for s in range(3, 6):
+        assert torch.equal(global_batch(2, 4, s, resumed), runs[1][s])
+
+
+def test_bad_data_errors(tmp_path):
+    good = _write(tmp_path / "good", _docs(20))
+    with pytest.raises(DataError, match=r"missing.idx does not exist"):
+        IndexedTokens(tmp_path / "missing")
+    (tmp_path / "nobin.idx").write_bytes((tmp_path / "good.idx").read_bytes())
+    with pytest.raises(DataError, match=r"nobin.bin does not exist"):
+        IndexedTokens(tmp_path / "nobin")
+
+    def corrupt(name, edit):
+        data = bytearray((tmp_path / "good.idx").read_bytes())
+        edit(data)
+        (tmp_path / f"{name}.idx").write_bytes(bytes(data))
+        (tmp_path / f"{name}.bin").write_bytes((tmp_path / "good.bin").read_bytes())
+        return tmp_path / name
+
+    with pytest.raises(DataError, match="not a Megatron index .bad magic"):
+        IndexedTokens(corrupt("magic", lambda d: d.__setitem__(slice(0, 4), b"XXXX")))
+    with pytest.raises(DataError, match="index version 2"):
+        IndexedTokens(corrupt("version", lambda d: d.__setitem__(slice(9, 17), struct.pack("<Q", 2))))
+    with pytest.raises(DataError, match="unknown dtype code 42"):
+        IndexedTokens(corrupt("dtype", lambda d: d.__setitem__(17, 42)))
+    short = tmp_path / "short"
+    (tmp_path / "short.idx").write_bytes((tmp_path / "good.idx").read_bytes())
+    (tmp_path / "short.bin").write_bytes((tmp_path / "good.bin").read_bytes()[:-10])
+    with pytest.raises(DataError, match="is truncated"):
+        IndexedTokens(short)
+
+    narrow = _write(tmp_path / "narrow", _docs(20), np.uint8)
+    with pytest.raises(DataError, match="stores uint8, which cannot hold the 4096 tokens"):
+        IndexedTokens(narrow).check_vocab(4096, 4096)
+    IndexedTokens(narrow).check_vocab(4096, 256)  # bytes fit uint8
+    with pytest.raises(DataError, match=r"token id 5000 >= model.vocab_size=4096"):
+        IndexedTokens(_write(tmp_path / "big", [np.array([1, 2, 5000])])).check_vocab(4096)
+    with pytest.raises(DataError, match="blend weight 'x' is not a number"):
+        parse_blend(f"x {good} 0.3 {good}")
+    with pytest.raises(DataError, match="a blend is 'WEIGHT PREFIX"):
+        parse_blend(f"0.5 {good} 0.5")
+    # An empty split fails fast (megatron-core would loop forever on it).
+    with pytest.raises(DataError, match="leaves the valid split of .* empty"):
+        build_gpt_datasets(good, "98,1,1", (0.98, 0.01, 0.01), 8, 0, ByteTokenizer(), 256,
+                           {"train": 10, "valid": 10}, tmp_path / "cache")
+
+
+def test_index_caches_go_to_the_cache_dir_not_next_to_the_data(tmp_path):
+    data_dir = tmp_path / "data"
+    prefix = _write(data_dir / "d", _docs(50))
+    before = sorted(p.name for p in data_dir.rglob("*"))
+    build_gpt_datasets(prefix, "90,10,0", (0.9, 0.1, 0.0), 8, 0, ByteTokenizer(), 256, {"train": 20, "valid": 5},
+                       tmp_path / "cache")
+    assert sorted(p.name for p in data_dir.rglob("*")) == before
+    assert any((tmp_path / "cache" / "megatron-index").glob("*.npy"))
