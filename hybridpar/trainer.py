@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.config import Config
-from hybridpar.data import build_training_data
+from hybridpar.data.dataset import build_training_data
 from hybridpar.distributed import dp_rank_size
 from hybridpar.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger

@@ -1,6 +1,5 @@
-"""Data: tokenizers, Megatron indexed datasets, preprocessing, and the per-rank batches of each step."""
+"""Data: tokenizers (tokenizer.py), the Megatron indexed format (indexed.py), preprocessing (preprocess.py),
+megatron-core datasets and the data-parallel loader (gpt_data.py), and what the trainer gets (dataset.py).
 
-from hybridpar.data.dataset import TrainingData, build_training_data
-from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
-
-__all__ = ["DataError", "IndexedTokens", "IndexedWriter", "TrainingData", "build_training_data"]
+Nothing is imported here, so a preprocessing worker that needs only the tokenizer does not pay for torch.
+"""

@@ -64,15 +64,6 @@ def load_builtin_corpus(cache_dir: Path) -> tuple[list[str], str]:
     return docs, sha256_docs(docs)
 
 
-def load_text_file(path: Path) -> tuple[list[str], str]:
-    """A UTF-8 text file as documents separated by blank lines."""
-    text = path.read_text(encoding="utf-8")
-    docs = [d.strip() for d in text.split("\n\n") if d.strip()]
-    if not docs:
-        raise ValueError(f"data.path={str(path)!r} holds no text")
-    return docs, sha256_docs(docs)
-
-
 def sha256_docs(docs: list[str]) -> str:
     h = hashlib.sha256()
     for d in docs:

@@ -84,11 +84,16 @@ _worker_tok = None
 
 def _init_worker(spec: str) -> None:
     global _worker_tok
+    import os
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker: the workers are the parallelism
     _worker_tok = load_tokenizer(spec)
 
 
-def _encode(docs: list[str]) -> tuple[list[list[int]], int]:
-    return _worker_tok.encode_batch(docs), sum(len(d.encode("utf-8")) for d in docs)
+def _encode(docs: list[str]) -> tuple[list[np.ndarray], int]:
+    """Runs in a worker: token arrays (cheap to send back, unlike lists of ints) and the text's byte count."""
+    return ([np.asarray(ids, dtype=np.int32) for ids in _worker_tok.encode_batch(docs)],
+            sum(len(d.encode("utf-8")) for d in docs))
 
 
 def _batches(docs: Iterator[str]) -> Iterator[list[str]]:
@@ -122,15 +127,16 @@ def preprocess(docs: Iterator[str], tokenizer_spec: str, output_prefix: str | Pa
     tok = tokenizer or load_tokenizer(tokenizer_spec)
     summary, start, last_print = Summary(), time.perf_counter(), 0.0
 
-    def write(writer: IndexedWriter, encoded: list[list[int]], n_bytes: int) -> None:
+    def write(writer: IndexedWriter, encoded: list, n_bytes: int) -> None:
         nonlocal last_print
         for ids in encoded:
+            ids = np.asarray(ids, dtype=np.int64)
             if append_eod:
-                ids = ids + [tok.eod_id]
-            if ids:
-                writer.add_document(np.asarray(ids, dtype=np.int64))
+                ids = np.append(ids, tok.eod_id)
+            if ids.size:
+                writer.add_document(ids)
                 summary.documents += 1
-                summary.tokens += len(ids)
+                summary.tokens += int(ids.size)
         summary.bytes += n_bytes
         now = time.perf_counter()
         if progress and now - last_print > 1.0:
