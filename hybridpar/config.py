@@ -32,6 +32,7 @@ class ParallelConfig:
         "hybrid_shard: replicate x shard (needs dp_replicate > 1); no_shard: plain data parallel (needs dp_shard = 1)")
     fsdp_prefetch: int = doc(1, "blocks whose parameters are all-gathered ahead of use, in forward and in backward "
                                 "(1 = the next block, FSDP2's own default; 2+ overlaps more, holds more memory)")
+    timeout_minutes: float = doc(10.0, "collective timeout: a rank that stops answering ends the job after this long")
     fsdp_cpu_offload: bool = doc(False, "keep sharded parameters, gradients and optimizer state in CPU memory "
                                         "(the optimizer step runs on the CPU); for models that do not fit otherwise")
 
@@ -42,6 +43,8 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name}={v} must be a positive degree or -1 (fill the rest)")
         if [self.dp_replicate, self.dp_shard, self.tp].count(-1) > 1:
             raise ValueError("only one of parallel.dp_replicate, dp_shard, tp may be -1")
+        if not self.timeout_minutes > 0:
+            raise ValueError(f"parallel.timeout_minutes={self.timeout_minutes} must be > 0")
         if self.fsdp_prefetch < 1:
             raise ValueError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 1 (1 = the next block)")
 
@@ -64,6 +67,8 @@ class TrainConfig:
     ac_every: int = doc(1, "full activation checkpointing: checkpoint blocks 0, k, 2k, ... (1 = every block)")
     compile: bool = doc(False, "torch.compile each transformer block")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables clipping")
+    max_skipped_steps: int = doc(5, "optimizer steps with a non-finite gradient norm are skipped; more than this "
+                                    "many in a row stop the run")
     eval_interval: int = doc(50, "run validation every this many steps (and at the first and last step); 0 = never")
     eval_batches: int = doc(8, "microbatches of the validation split per evaluation")
     sample_tokens: int = doc(120, "tokens to sample at the end of the run; 0 = no sample")
@@ -74,6 +79,8 @@ class TrainConfig:
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ValueError(f"train.activation_checkpointing={self.activation_checkpointing!r}: use none, full "
                              f"or selective")
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"train.max_skipped_steps={self.max_skipped_steps} must be >= 0")
         _positive("train", steps=self.steps, micro_batch_size=self.micro_batch_size, ac_every=self.ac_every,
                   global_batch_size=self.global_batch_size, seq_len=self.seq_len, eval_batches=self.eval_batches)
         if self.precision not in (None, "fp32", "bf16"):
@@ -135,8 +142,13 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     interval: int = doc(0, "save a sharded (DCP) checkpoint every this many steps and at the end; 0 = never")
-    keep_last: int = doc(2, "checkpoints to keep")
-    load: Optional[str] = doc(None, "checkpoint to start from")
+    keep_last: int = doc(2, "complete checkpoints to keep (older ones are deleted once a newer one is complete)")
+    load: Optional[str] = doc(None, "checkpoint (or run directory: its latest) to start from; None = the latest "
+                                    "complete checkpoint in run.dir, if any (auto-resume)")
+    load_weights_only: bool = doc(False, "take only the model weights from checkpoint.load: a new run from step 0 "
+                                         "(fine-tuning, re-warming) with a fresh optimizer")
+    async_save: bool = doc(False, "write checkpoints in the background; the step loop blocks only for the copy "
+                                  "to CPU memory")
 
     def __post_init__(self):
         if self.interval < 0 or self.keep_last < 1:

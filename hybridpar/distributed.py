@@ -9,6 +9,7 @@ trainer always runs on a mesh and the single-process path is the distributed pat
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from dataclasses import dataclass
 
 import torch
@@ -76,10 +77,11 @@ def init_mesh(cfg: ParallelConfig, device: torch.device, world: WorldInfo) -> De
     degrees = resolve_degrees(cfg, world.world_size)
     if not dist.is_initialized():
         backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
+        timeout = timedelta(minutes=cfg.timeout_minutes)  # a dead rank ends the job after this, not hours later
         if world.world_size == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            dist.init_process_group(backend, rank=world.rank, world_size=world.world_size)
+            dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
     return init_device_mesh(device.type, degrees, mesh_dim_names=MESH_AXES)
 
 

@@ -38,6 +38,10 @@ from hybridpar.sampling import generate
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite steps in a row."""
+
+
 class Hook(Protocol):
     def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
     def on_train_end(self, trainer: "Trainer") -> None: ...
@@ -50,6 +54,7 @@ class TrainResult:
     unigram_loss: float = float("nan")
     sample: str = ""
     wall_time: float = 0.0
+    preempted: bool = False  # stopped early by a signal (after saving, when checkpointing is on)
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> str:
@@ -92,6 +97,9 @@ class Trainer:
         else:
             self.loss_context = nullcontext
         self.step = 0  # optimizer steps done
+        self.consumed_samples = 0  # the data position: samples of all ranks consumed so far
+        self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
+        self.stop_requested = False  # set by a signal handler; acted on at the end of the step
 
     # -- collectives over the data-parallel axes -------------------------------------------------------------
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -102,7 +110,11 @@ class Trainer:
         return t
 
     # -- one optimizer step -----------------------------------------------------------------------------------
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """One optimizer step. Returns (loss share, grad norm, lr, stop): stop is True on every rank when any rank
+        was asked to stop (SIGTERM/SIGUSR1). A non-finite gradient norm skips the optimizer update."""
+        # Random numbers (dropout) come from (seed, step): a resumed run draws exactly what the uninterrupted one did.
+        torch.manual_seed(self.cfg.train.seed * 1_000_003 + step)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -113,9 +125,26 @@ class Trainer:
                                               loss_fn=token_loss_sum, grad_scale=self.grad_scale,
                                               autocast=self.autocast, loss_context=self.loss_context)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip)
-        self.optimizer.step()
+        # One small sync per step: the norm (already global) and the stop votes of all ranks, read together.
+        stop = torch.tensor([float(self.stop_requested)], device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        norm_value, stop_value = torch.cat([grad_norm.reshape(1).float().to(self.device), stop]).tolist()
+        if math.isfinite(norm_value):
+            self.optimizer.step()
+            self.consecutive_skips = 0
+        else:
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            self.log.print(f"warning: step {step + 1}: gradient norm is {norm_value}; optimizer step skipped "
+                           f"({self.consecutive_skips} in a row, {self.skipped_steps} in total)")
+            if self.consecutive_skips > self.cfg.train.max_skipped_steps:
+                raise TrainingDiverged(f"{self.consecutive_skips} non-finite steps in a row (more than "
+                                       f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}); the last "
+                                       f"complete checkpoint is intact: lower optim.lr or check the data, then resume")
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm, lr
+        self.consumed_samples += self.cfg.train.global_batch_size
+        return loss, grad_norm, lr, bool(stop_value)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -154,11 +183,11 @@ class Trainer:
             f"{cfg.grad_accum_steps(self.dp_size)} microbatch(es) of {t.micro_batch_size} per rank"
             + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss) else ""))
         start = time.perf_counter()
-        if t.eval_interval:
+        if t.eval_interval and self.step == 0:
             self._validate(result)
         last_time, last_step = time.perf_counter(), self.step
         while self.step < t.steps:
-            loss, grad_norm, lr = self.train_step(self.step)
+            loss, grad_norm, lr, stop = self.train_step(self.step)
             self.step += 1
             done = self.step == t.steps
             if self.step % cfg.logging.interval == 0 or done:
@@ -176,8 +205,12 @@ class Trainer:
                 last_time = time.perf_counter()  # validation time is not training throughput
             for hook in self.hooks:
                 hook.on_step_end(self, self.step)
+            if stop:
+                result.preempted = True
+                self.log.print(f"stop requested: leaving after step {self.step}")
+                break
         result.wall_time = time.perf_counter() - start
-        if t.sample_tokens:
+        if t.sample_tokens and not result.preempted:
             result.sample = self.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)
             self.log.print(f"sample (temperature {t.sample_temperature}):\n{result.sample}")
         for hook in self.hooks:

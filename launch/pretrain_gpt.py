@@ -7,22 +7,30 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
-from hybridpar.checkpoint import CheckpointHook
+from hybridpar.checkpoint import CheckpointHook, Checkpointer, latest_checkpoint, resolve_load_path
 from hybridpar.config import Config
 from hybridpar.config_cli import ConfigError, dump_yaml, help_text, load_config, to_dict
 from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
 from hybridpar.metrics import MetricsLogger
-from hybridpar.trainer import Trainer, TrainResult
+from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult
 
 
-def prepare_run_dir(cfg: Config) -> Path:
-    """Fill run.name and run.dir (the same on every rank) and refuse to clobber an earlier run."""
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving: requeue me (EX_TEMPFAIL)
+EXIT_ABORTED = 76  # a second signal arrived while the preemption save was running
+
+
+def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
+    """Fill run.name and run.dir (the same on every rank); find the checkpoint to start from: checkpoint.load, else
+    the latest complete one in run.dir (auto-resume). A run.dir holding metrics but no checkpoint is not clobbered."""
     if cfg.run.name is None:
         name = [f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -31,10 +39,34 @@ def prepare_run_dir(cfg: Config) -> Path:
     if cfg.run.dir is None:
         cfg.run.dir = str(Path("runs") / cfg.run.name)
     run_dir = Path(cfg.run.dir)
-    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
-        raise ConfigError(f"run.dir={cfg.run.dir!r} already holds a run (metrics.jsonl); pass a new --run.dir, "
-                          f"or --run.overwrite true to replace it")
-    return run_dir
+    if cfg.checkpoint.load:
+        return run_dir, resolve_load_path(cfg.checkpoint.load)
+    latest = latest_checkpoint(run_dir)
+    if latest is None and (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+        raise ConfigError(f"run.dir={cfg.run.dir!r} already holds a run (metrics.jsonl) and no checkpoint to resume "
+                          f"from; pass a new --run.dir, or --run.overwrite true to replace it")
+    return run_dir, latest
+
+
+def _keep_metrics_until(path: Path, step: int) -> None:
+    """A resumed run re-logs the steps after its checkpoint: drop the killed run's rows past it."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+        path.write_text("".join(r + "\n" for r in rows))
+
+
+def _install_signal_handlers(trainer: Trainer) -> None:
+    """SIGTERM / SIGUSR1 (SLURM's warning before preemption or the time limit): finish the step, save, exit
+    EXIT_PREEMPTED. A second signal while that is under way aborts at once (the previous checkpoint stays)."""
+    def handler(signum, _frame):
+        if trainer.stop_requested:
+            print(f"signal {signal.Signals(signum).name} again: aborting", file=sys.stderr, flush=True)
+            os._exit(EXIT_ABORTED)
+        print(f"signal {signal.Signals(signum).name}: stopping after this step", file=sys.stderr, flush=True)
+        trainer.stop_requested = True
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, handler)
 
 
 def main(cfg: Config) -> TrainResult:
@@ -43,19 +75,26 @@ def main(cfg: Config) -> TrainResult:
     device = pick_device(cfg.train.device, world.local_rank)
     mesh = init_mesh(cfg.parallel, device, world)
     try:
-        run_dir = prepare_run_dir(cfg)
-        if cfg.checkpoint.load:
-            print("warning: checkpoint.load is not applied: this build of hybridpar saves checkpoints but does not "
-                  "resume from them yet", file=sys.stderr)
-        hooks = [CheckpointHook(cfg.checkpoint.interval, cfg.checkpoint.keep_last)]
-        trainer = Trainer(cfg, mesh, device, run_dir, hooks=hooks)
+        run_dir, load_from = prepare_run_dir(cfg)
+        checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
+        trainer = Trainer(cfg, mesh, device, run_dir, hooks=[CheckpointHook(checkpointer, cfg.checkpoint.interval)])
+        if load_from is not None:
+            checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)
+        resumed = trainer.step > 0
         if world.rank == 0:  # only now, with every input checked, does the run write anything
             run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            if resumed:
+                _keep_metrics_until(run_dir / "metrics.jsonl", trainer.step)
+            else:
+                (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (run_dir / "config.yaml").write_text(dump_yaml(cfg))
             trainer.tokenizer.save(run_dir)
             trainer.log = MetricsLogger(cfg, run_dir, enabled=True, config_dict=to_dict(cfg))
             trainer.log.print(f"run dir {run_dir}")
+            if load_from is not None:
+                what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"
+                trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples)")
+        _install_signal_handlers(trainer)
         return trainer.fit()
     finally:
         shutdown()
@@ -67,11 +106,14 @@ def cli(argv: list[str]) -> int:
         return 0
     try:
         cfg = load_config(argv)
-        main(cfg)
+        result = main(cfg)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return EXIT_PREEMPTED if result.preempted else 0
 
 
 if __name__ == "__main__":

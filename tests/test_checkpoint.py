@@ -1,0 +1,185 @@
+"""Checkpoints: kill -9 and resume bitwise, resharding into other layouts, atomic saves, keep_last, async = sync,
+the preemption signal path, non-finite step skipping, and clear errors. Real processes, real files, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from hybridpar.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints,
+                                  load_full_model_state, resolve_load_path)
+
+STEPS = 8
+COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",
+          "--logging.interval", "1", "--train.eval_interval", "0", "--train.sample_tokens", "0",
+          "--train.precision", "fp32", "--checkpoint.interval", "2", "--checkpoint.keep_last", "3"]
+
+
+def _args(cache_dir, run_dir, *extra):
+    return ["launch/pretrain_gpt.py", *COMMON, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), *extra]
+
+
+def _losses(run_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("ckpt") / "ref"
+    out = run_cli(_args(cache_dir, run_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return run_dir, losses, load_full_model_state(checkpoint_dir(run_dir, STEPS))
+
+
+def _kill_when(run_dir, cache_dir, ready, delay: float = 0.0):
+    """Start the run, SIGKILL it once ready(run_dir) holds (plus delay); returns whether it was still running."""
+    proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir)], cwd=ROOT, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not ready(run_dir) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    time.sleep(delay)
+    alive = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return alive
+
+
+def _saving(step):
+    """A save of `step` has started but is not complete."""
+    return lambda d: checkpoint_dir(d, step).exists() and not (checkpoint_dir(d, step) / "COMPLETE").exists()
+
+
+def _complete(step):
+    return lambda d: (checkpoint_dir(d, step) / "COMPLETE").exists()
+
+
+@pytest.mark.parametrize("kill_point", ["after-save-4", "during-save-6", "random-after-4"])
+def test_kill_9_and_resume_is_bitwise_exact(kill_point, reference, tmp_path, cache_dir):
+    _, ref_losses, ref_weights = reference
+    run_dir = tmp_path / "run"
+    ready = {"after-save-4": _complete(4), "during-save-6": _saving(6), "random-after-4": _complete(4)}[kill_point]
+    delay = random.Random(kill_point).uniform(0.0, 1.5) if kill_point.startswith("random") else 0.0
+    _kill_when(run_dir, cache_dir, ready, delay)
+    resume_from = latest_checkpoint(run_dir)
+    assert resume_from is not None and int(resume_from.name[5:]) >= 4
+    out = run_cli(_args(cache_dir, run_dir))  # same command: resumes from the latest complete checkpoint
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming from {resume_from}" in out.stdout
+    assert _losses(run_dir) == ref_losses  # bitwise: every step, before and after the kill
+    weights = load_full_model_state(checkpoint_dir(run_dir, STEPS))
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+
+
+def test_incomplete_saves_are_never_used(reference, tmp_path):
+    ref_dir = reference[0]
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    import shutil
+    shutil.copytree(checkpoint_dir(ref_dir, 4), checkpoint_dir(run_dir, 4))
+    partial = checkpoint_dir(run_dir, 6)
+    shutil.copytree(checkpoint_dir(ref_dir, 6), partial)
+    (partial / "COMPLETE").unlink()  # what a save cut off before its marker leaves
+    assert latest_checkpoint(run_dir) == checkpoint_dir(run_dir, 4)
+    assert resolve_load_path(str(run_dir)) == checkpoint_dir(run_dir, 4)
+    with pytest.raises(CheckpointError, match="was not completed"):
+        resolve_load_path(str(partial))
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints(reference):
+    assert [p.name for p in list_checkpoints(reference[0])] == ["step_00000004", "step_00000006", "step_00000008"]
+
+
+@pytest.mark.parametrize("layout", [("1", "4", "1"), ("1", "1", "4")], ids=["r1s4t1", "r1s1t4"])
+def test_resume_into_another_layout_continues_the_curve(layout, tmp_path, cache_dir, tmp_path_factory):
+    src = tmp_path_factory.getbasetemp() / "reshard-src"
+    if not (src / "metrics.jsonl").exists():  # saved once by the (1,2,2) layout on 4 ranks
+        out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                       *_args(cache_dir, src, "--parallel.dp_shard", "2", "--parallel.tp", "2")])
+        assert out.returncode == 0, out.stderr[-3000:]
+    src_losses = _losses(src)
+    r, s, t = layout
+    run_dir = tmp_path / "resharded"
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                   *_args(cache_dir, run_dir, "--checkpoint.load", str(checkpoint_dir(src, 4)),
+                          "--parallel.dp_replicate", r, "--parallel.dp_shard", s, "--parallel.tp", t)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = _losses(run_dir)
+    assert sorted(got) == list(range(5, STEPS + 1))
+    for step in got:
+        assert abs(got[step] - src_losses[step]) <= 1e-5 * abs(src_losses[step]), (got, src_losses)
+
+
+def test_async_save_equals_sync_save(reference, tmp_path, cache_dir):
+    run_dir = tmp_path / "async"
+    out = run_cli(_args(cache_dir, run_dir, "--checkpoint.async_save", "true"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "started checkpoint" in out.stdout and "step loop blocked" in out.stdout
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000004", "step_00000006", "step_00000008"]
+    ref_dir, ref_losses, _ = reference
+    assert _losses(run_dir) == ref_losses
+    for step in (4, 8):
+        a, b = load_full_model_state(checkpoint_dir(run_dir, step)), load_full_model_state(checkpoint_dir(ref_dir, step))
+        assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_sigterm_saves_exits_75_and_resumes_exactly(reference, tmp_path, cache_dir):
+    run_dir = tmp_path / "preempted"
+    proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir, "--checkpoint.interval", "100")], cwd=ROOT,
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and '"step": 3' in (run_dir / "metrics.jsonl").read_text():
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 75, stderr[-3000:]
+    assert "signal SIGTERM: stopping after this step" in stderr
+    saved = latest_checkpoint(run_dir)
+    stopped_at = int(saved.name[5:])
+    assert 3 <= stopped_at < STEPS and f"saved checkpoint {saved}" in stdout
+    out = run_cli(_args(cache_dir, run_dir, "--checkpoint.interval", "100"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _losses(run_dir) == reference[1]
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, cache_dir):
+    out = run_cli(_args(cache_dir, tmp_path / "nan", "--optim.lr", "1e30", "--optim.min_lr", "0",
+                        "--optim.warmup_steps", "0", "--train.max_skipped_steps", "2"))
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert "optimizer step skipped (1 in a row" in out.stdout
+    assert out.stderr.strip().splitlines()[-1].startswith("error: 3 non-finite steps in a row")
+    assert latest_checkpoint(tmp_path / "nan") is not None  # the last good checkpoint is intact
+
+
+def test_checkpoint_of_another_model_fails_clearly(reference, tmp_path, cache_dir):
+    out = run_cli(_args(cache_dir, tmp_path / "other", "--checkpoint.load", str(checkpoint_dir(reference[0], 4)),
+                        "--model.n_layers", "2"))
+    assert out.returncode == 2 and "holds a different model (n_layers: checkpoint 4 vs now 2)" in out.stderr
+    assert not (tmp_path / "other").exists()
+
+
+def test_weights_only_starts_a_new_run(reference, tmp_path, cache_dir):
+    out = run_cli(_args(cache_dir, tmp_path / "ft", "--checkpoint.load", str(reference[0]),
+                        "--checkpoint.load_weights_only", "true", "--train.steps", "2"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = _losses(tmp_path / "ft")
+    assert sorted(losses) == [1, 2]
+    assert losses[1] < reference[1][1] - 0.2  # starts from trained weights, not from the initialisation
