@@ -26,9 +26,10 @@ setup(
         "megatron-core==0.16.*",
         "sentencepiece",  # tokenizer spec sentencepiece:MODEL
         "zstandard",  # .zst inputs of launch/preprocess_data.py
+        "safetensors",  # consolidated exports (to-torch, load_pretrained)
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout"],
-        "hf": ["transformers"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers"],  # transformers: the HF round-trip tests
+        "hf": ["transformers"],  # launch/convert_checkpoint.py to-hf / from-hf
     },
 )

@@ -18,7 +18,7 @@ from .gpt import GPT
 from .presets import GPT3_PAPER_PARAMS, PRESETS
 
 __all__ = ["GPT", "ModelConfig", "GPT3_PAPER_PARAMS", "list_models", "get_model_config", "build_model",
-           "count_params"]
+           "count_params", "load_pretrained"]
 
 
 def list_models() -> list[str]:
@@ -65,3 +65,25 @@ def count_params(model_or_config: nn.Module | ModelConfig, exclude_embeddings: b
             seen.add(id(p))
             total += p.numel()
     return total
+
+
+def load_pretrained(path, device: torch.device | str = "cpu") -> GPT:
+    """A ready model (eval mode) from a consolidated export: PATH/config.yaml (its `model` section) and
+    PATH/model.safetensors, as `launch/convert_checkpoint.py to-torch` writes them. No pickle is read."""
+    from pathlib import Path
+
+    import yaml
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    fields = (yaml.safe_load((path / "config.yaml").read_text()) or {}).get("model", {})
+    cfg = ModelConfig(**{k: v for k, v in fields.items() if k in MODEL_FIELDS})
+    model = build_model(cfg, device=device)  # init computes the RoPE tables (buffers, not in the file)
+    state = load_file(str(path / "model.safetensors"), device=str(device))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}/model.safetensors does not match its config.yaml: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model.eval()

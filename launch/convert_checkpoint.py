@@ -1,0 +1,139 @@
+"""Convert hybridpar checkpoints to and from the formats the ecosystem reads.
+
+    python launch/convert_checkpoint.py to-hf --checkpoint runs/x/checkpoints/step_00001000 --out hf/x
+    python launch/convert_checkpoint.py from-hf --hf hf/gpt2 --out ckpt/gpt2
+    python launch/convert_checkpoint.py to-torch --checkpoint runs/x/checkpoints/step_00001000 --out export/x
+
+to-hf: a transformers folder (config.json, model.safetensors, and the run's tokenizer.json if it has one) for
+GPT2LMHeadModel (GPT-2/GPT-3 family) or LlamaForCausalLM (modern family); load it with
+AutoModelForCausalLM.from_pretrained. from-hf: a weights checkpoint to start training from:
+    python launch/pretrain_gpt.py --config ckpt/gpt2/config.yaml --checkpoint.load ckpt/gpt2 \\
+        --checkpoint.load_weights_only true ...
+to-torch: model.safetensors + config.yaml, written one tensor at a time; hybridpar.models.load_pretrained(DIR)
+returns a ready model. transformers is needed for to-hf/from-hf only (pip install -e ".[hf]").
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from hybridpar.checkpoint import MARKER, CheckpointError, load_full_model_state, resolve_load_path
+
+
+def _model_config(ckpt: Path):
+    from hybridpar.config_cli import config_from_dict
+
+    cfg_file = ckpt / "config.yaml"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{ckpt} has no config.yaml; it was not written by hybridpar's trainer")
+    return config_from_dict(yaml.safe_load(cfg_file.read_text())).model
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(f"--out {out} is not empty; pass --overwrite or another directory")
+
+
+def to_hf_cmd(a) -> str:
+    from safetensors.torch import save_file
+
+    from hybridpar.convert import family, to_hf
+
+    ckpt = resolve_load_path(a.checkpoint)
+    cfg = _model_config(ckpt)
+    family(cfg)  # fails before any heavy work for an architecture HF has no class for
+    _check_out(a.out, a.overwrite)
+    hf_cfg, sd = to_hf(cfg, load_full_model_state(ckpt))
+    a.out.mkdir(parents=True, exist_ok=True)
+    hf_cfg.save_pretrained(a.out)
+    if hf_cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight")  # tied: transformers re-ties it on load
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(a.out / "model.safetensors"), metadata={"format": "pt"})
+    if (ckpt / "tokenizer.json").is_file():
+        shutil.copy(ckpt / "tokenizer.json", a.out / "tokenizer.json")
+    return f"wrote {a.out} ({hf_cfg.architectures[0]}, {len(sd)} tensors) from {ckpt}"
+
+
+def from_hf_cmd(a) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    from hybridpar.config import Config, TrainConfig
+    from hybridpar.config_cli import dump_yaml
+    from hybridpar.convert import from_hf
+
+    if not (a.hf / "config.json").is_file():
+        raise CheckpointError(f"--hf {a.hf} has no config.json; give a transformers model folder")
+    _check_out(a.out, a.overwrite)
+    model_cfg, sd = from_hf(a.hf)
+    cfg = Config(model=model_cfg, train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)))
+    dcp.save({"model": sd}, checkpoint_id=str(a.out), no_dist=True)
+    (a.out / "config.yaml").write_text(dump_yaml(cfg))
+    if (a.hf / "tokenizer.json").is_file():
+        shutil.copy(a.hf / "tokenizer.json", a.out / "tokenizer.json")
+    (a.out / MARKER).write_text("from-hf\n")
+    return f"wrote {a.out} ({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size})"
+
+
+def to_torch_cmd(a) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from hybridpar.convert import write_safetensors_streaming
+
+    ckpt = resolve_load_path(a.checkpoint)
+    cfg = _model_config(ckpt)
+    _check_out(a.out, a.overwrite)
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    metas = {k[len("model."):]: (m.properties.dtype, tuple(m.size)) for k, m in meta.items()
+             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    if cfg.tie_embeddings:
+        metas.pop("lm_head.weight", None)
+
+    def load_one(name):
+        state: dict = {}
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(ckpt)),
+                         planner=_EmptyStateDictLoadPlanner(keys={f"model.{name}"}), no_dist=True)
+        return state["model"][name]
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    write_safetensors_streaming(a.out / "model.safetensors", metas, load_one)
+    shutil.copy(ckpt / "config.yaml", a.out / "config.yaml")
+    for tok in ckpt.glob("tokenizer.*"):
+        shutil.copy(tok, a.out / tok.name)
+    return f"wrote {a.out}/model.safetensors ({len(metas)} tensors) and config.yaml from {ckpt}"
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("to-hf", "to-torch"):
+        s = sub.add_parser(name)
+        s.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest)")
+        s.add_argument("--out", type=Path, required=True)
+        s.add_argument("--overwrite", action="store_true")
+    s = sub.add_parser("from-hf")
+    s.add_argument("--hf", type=Path, required=True, help="a transformers folder: config.json + *.safetensors")
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--overwrite", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        message = {"to-hf": to_hf_cmd, "from-hf": from_hf_cmd, "to-torch": to_torch_cmd}[a.cmd](a)
+    except ImportError as e:
+        print(f"error: {e.name or e} is needed for {a.cmd}: pip install -e \".[hf]\"", file=sys.stderr)
+        return 2
+    except (CheckpointError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(message)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""Export and import: hybridpar checkpoints <-> transformers (GPT2LMHeadModel, LlamaForCausalLM) with equal logits,
+and the consolidated safetensors export with load_pretrained. transformers from PyPI, random small configs, offline."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import run_cli
+from hybridpar.checkpoint import MARKER, load_full_model_state
+from hybridpar.config import Config, TrainConfig
+from hybridpar.config_cli import dump_yaml
+from hybridpar.models import build_model, get_model_config, load_pretrained
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+CONFIGS = {
+    "gpt2": dict(name="tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=384, max_seq_len=32),
+    "llama": dict(name="gpt-modern-1b", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden_size=160,
+                  vocab_size=384, max_seq_len=32, rope_theta=10000.0),
+}
+
+
+def _checkpoint(tmp_path, family):
+    """A hybridpar checkpoint directory (DCP + config.yaml + marker) of a randomly initialised model."""
+    torch.manual_seed(0)
+    name, fields = CONFIGS[family]["name"], {k: v for k, v in CONFIGS[family].items() if k != "name"}
+    model_cfg = get_model_config(name, **fields)
+    model = build_model(model_cfg, device="cpu")
+    with torch.no_grad():  # make every tensor matter (norm gains and biases are 1 and 0 at init)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ckpt = tmp_path / "ckpt"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)
+    (ckpt / "config.yaml").write_text(dump_yaml(Config(model=model_cfg, train=TrainConfig(seq_len=32))))
+    (ckpt / MARKER).write_text("test\n")
+    return model.eval(), ckpt
+
+
+@pytest.mark.parametrize("family, arch", [("gpt2", "GPT2LMHeadModel"), ("llama", "LlamaForCausalLM")])
+def test_to_hf_and_back(tmp_path, family, arch):
+    from transformers import AutoModelForCausalLM
+
+    model, ckpt = _checkpoint(tmp_path, family)
+    out = run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")])
+    assert out.returncode == 0, out.stderr
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    assert type(hf).__name__ == arch
+    ids = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids).logits
+    assert (ours - theirs).abs().max() < 1e-4
+
+    back = run_cli(["launch/convert_checkpoint.py", "from-hf", "--hf", str(tmp_path / "hf"), "--out",
+                    str(tmp_path / "back")])
+    assert back.returncode == 0, back.stderr
+    original, restored = load_full_model_state(ckpt), load_full_model_state(tmp_path / "back")
+    assert sorted(original) == sorted(restored)
+    assert all(torch.equal(original[k], restored[k]) for k in original)
+
+
+def test_from_hf_native_llama_matches_its_logits(tmp_path):
+    """A model initialised by transformers itself (not one hybridpar exported) imports with equal logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    out = run_cli(["launch/convert_checkpoint.py", "from-hf", "--hf", str(tmp_path / "hf"), "--out",
+                   str(tmp_path / "ck")])
+    assert out.returncode == 0, out.stderr
+    run_cli_export = run_cli(["launch/convert_checkpoint.py", "to-torch", "--checkpoint", str(tmp_path / "ck"),
+                              "--out", str(tmp_path / "pt")])
+    assert run_cli_export.returncode == 0, run_cli_export.stderr
+    ours = load_pretrained(tmp_path / "pt")
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max() < 1e-4
+
+
+def test_to_torch_and_load_pretrained(tmp_path):
+    model, ckpt = _checkpoint(tmp_path, "gpt2")
+    out = run_cli(["launch/convert_checkpoint.py", "to-torch", "--checkpoint", str(ckpt), "--out",
+                   str(tmp_path / "pt")])
+    assert out.returncode == 0, out.stderr
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "pt" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "tok_embeddings.weight" in f.keys()  # tied: stored once
+    loaded = load_pretrained(tmp_path / "pt")
+    ids = torch.randint(0, 384, (2, 32))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+def test_conversion_errors(tmp_path):
+    _, ckpt = _checkpoint(tmp_path, "gpt2")
+    cfg_text = (ckpt / "config.yaml").read_text().replace("position: learned", "position: rope")
+    (ckpt / "config.yaml").write_text(cfg_text)
+    out = run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")])
+    assert out.returncode == 2 and "matches neither GPT2LMHeadModel nor LlamaForCausalLM" in out.stderr
+    assert not (tmp_path / "x").exists()
+    out = run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(tmp_path / "nothing"), "--out",
+                   str(tmp_path / "x")])
+    assert out.returncode == 2 and "neither a complete checkpoint nor a run directory" in out.stderr
