@@ -11,7 +11,8 @@ Layout of a run directory:
         config.yaml, tokenizer.*        what sampling or resuming needs besides tensors
         COMPLETE                        written by rank 0 after every rank finished: only then does it count
 
-Only tensors are stored (no pickled Python objects in the state), and a checkpoint is used only once COMPLETE
+Only tensors are stored (no pickled Python objects in the state); DCP's .metadata file is a pickle, read here by a
+restricted unpickler (SafeReader) that accepts only DCP's own metadata classes. A checkpoint is used only once COMPLETE
 exists, so a save cut off at any instant leaves the previous checkpoint the latest one. Older checkpoints are
 deleted only after a newer one is complete. RNG: the trainer re-seeds from (seed, step, rank) at every step, so
 there is no generator state to carry and a resume draws exactly the random numbers the uninterrupted run drew.
@@ -19,6 +20,7 @@ there is no generator state to carry and a resume draws exactly the random numbe
 
 from __future__ import annotations
 
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -36,6 +38,42 @@ MARKER = "COMPLETE"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used as asked; the message names it and the fix."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's .metadata allowing only the plain data classes it is made of: a crafted file cannot run
+    code (the tensor files themselves are read with torch.load(weights_only=True) by DCP)."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+               ("pathlib", "PureWindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+
+    def find_class(self, module: str, name: str):
+        ok = ((module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata"
+              or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
+        if not ok:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not part of DCP's "
+                                         f"metadata: refusing to load it")
+        return super().find_class(module, name)
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata read by _MetadataUnpickler instead of pickle.load."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -158,12 +196,13 @@ class Checkpointer:
         """Restore model (and, unless weights_only, optimizer and trainer position) from checkpoint `path`, into
         whatever layout the trainer has."""
         check_model_config(path, trainer.cfg)
+        SafeReader(str(path)).read_metadata()  # a crafted metadata file fails here, as a one-line error
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
         state = {"model": model_sd}
         if not weights_only:
             state["optim"] = optim_sd
             state["trainer"] = _trainer_state(0, 0, 0)
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=SafeReader(str(path)))
         if weights_only:
             set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=True))
             return
@@ -204,7 +243,7 @@ def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict = {}
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(path)),
+    _load_state_dict(state, storage_reader=SafeReader(str(path)),
                      planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     return state["model"]
 

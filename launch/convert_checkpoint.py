@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from hybridpar.checkpoint import MARKER, CheckpointError, load_full_model_state, resolve_load_path
+from hybridpar.checkpoint import MARKER, CheckpointError, SafeReader, load_full_model_state, resolve_load_path
 
 
 def _model_config(ckpt: Path):
@@ -90,7 +90,7 @@ def to_torch_cmd(a) -> str:
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _model_config(ckpt)
     _check_out(a.out, a.overwrite)
-    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    meta = SafeReader(str(ckpt)).read_metadata().state_dict_metadata
     metas = {k[len("model."):]: (m.properties.dtype, tuple(m.size)) for k, m in meta.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     if cfg.tie_embeddings:
@@ -98,7 +98,7 @@ def to_torch_cmd(a) -> str:
 
     def load_one(name):
         state: dict = {}
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(ckpt)),
+        _load_state_dict(state, storage_reader=SafeReader(str(ckpt)),
                          planner=_EmptyStateDictLoadPlanner(keys={f"model.{name}"}), no_dist=True)
         return state["model"][name]
 

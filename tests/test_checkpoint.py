@@ -160,6 +160,23 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(reference, tmp_path, cache_d
     assert _losses(run_dir) == reference[1]
 
 
+def test_second_signal_aborts_and_keeps_the_last_checkpoint(tmp_path, cache_dir):
+    run_dir = tmp_path / "twice"
+    proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir)], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (checkpoint_dir(run_dir, 2) / "COMPLETE").exists():
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 76, stderr[-3000:]
+    assert "signal SIGTERM again: aborting" in stderr
+    assert latest_checkpoint(run_dir) is not None  # what was complete stays complete and loadable
+    load_full_model_state(latest_checkpoint(run_dir))
+
+
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, cache_dir):
     out = run_cli(_args(cache_dir, tmp_path / "nan", "--optim.lr", "1e30", "--optim.min_lr", "0",
                         "--optim.warmup_steps", "0", "--train.max_skipped_steps", "2"))
@@ -183,3 +200,25 @@ def test_weights_only_starts_a_new_run(reference, tmp_path, cache_dir):
     losses = _losses(tmp_path / "ft")
     assert sorted(losses) == [1, 2]
     assert losses[1] < reference[1][1] - 0.2  # starts from trained weights, not from the initialisation
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_crafted_metadata_is_refused_without_running_it(reference, tmp_path, cache_dir):
+    import pickle
+    import shutil
+
+    ckpt = tmp_path / "evil"
+    shutil.copytree(checkpoint_dir(reference[0], 4), ckpt)
+    marker = tmp_path / "code-ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    out = run_cli(_args(cache_dir, tmp_path / "run", "--checkpoint.load", str(ckpt)))
+    assert out.returncode == 2 and "refusing to load it" in out.stderr, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not marker.exists()
