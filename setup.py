@@ -19,7 +19,7 @@ setup(
         "numpy",
         "einops",
         "pyyaml",
-        "wandb",
+        "wandb==0.31.*",  # hybridpar.wandb_file reads this version's run-file format
         "tokenizers>=0.15",
         # The data layer (GPTDataset, BlendedDataset); hybridpar guards its 0.16 failure modes (see
         # hybridpar/data/gpt_data.py) and builds its datasets itself, so the minor version is pinned.
@@ -29,7 +29,10 @@ setup(
         "safetensors",  # consolidated exports (to-torch, load_pretrained)
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "transformers"],  # transformers: the HF round-trip tests
+        # transformers: HF round trips; matplotlib: plot_metrics; tensorboard: the TensorBoard writer
+        "test": ["pytest>=7", "pytest-timeout", "transformers", "matplotlib", "tensorboard"],
         "hf": ["transformers"],  # launch/convert_checkpoint.py to-hf / from-hf
+        "plot": ["matplotlib"],  # launch/plot_metrics.py
+        "tensorboard": ["tensorboard"],  # logging.tensorboard
     },
 )

@@ -9,6 +9,7 @@ Layout of a run directory:
     <run.dir>/checkpoints/step_00000200/
         .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": {step, consumed_samples, skipped}}
         config.yaml, tokenizer.*        what sampling or resuming needs besides tensors
+        run_state.json                  the W&B run id, so a resumed run logs into the same W&B run
         COMPLETE                        written by rank 0 after every rank finished: only then does it count
 
 Only tensors are stored (no pickled Python objects in the state); DCP's .metadata file is a pickle, read here by a
@@ -20,6 +21,7 @@ there is no generator state to carry and a resume draws exactly the random numbe
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
 import time
@@ -163,6 +165,8 @@ class Checkpointer:
 
             trainer.tokenizer.save(path)
             (path / "config.yaml").write_text(dump_yaml(trainer.cfg))
+            wandb_id = trainer.log.wandb_id if trainer.log is not None else None
+            (path / "run_state.json").write_text(json.dumps({"wandb_id": wandb_id}) + "\n")
             tmp = path / f".{MARKER}.tmp"
             tmp.write_text(f"step {int(path.name[len(STEP_PREFIX):])}\n")
             tmp.rename(path / MARKER)

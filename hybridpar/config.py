@@ -1,6 +1,6 @@
 """The run's configuration: a tree of typed dataclasses, one per section, every field with a one-line docstring.
 
-Sections: model, parallel, train, optim, data, checkpoint, logging (with logging.wandb), run. Each validates its
+Sections: model, parallel, train, optim, data, checkpoint, logging (with logging.wandb), profile, run. Each validates its
 own fields in __post_init__; `Config.__post_init__` checks what spans sections (batch arithmetic, sequence length
 against the model's context). What depends on the world size is checked by hybridpar.distributed when the mesh is
 built, still before any model exists. Loading from YAML and the command line lives in hybridpar.config_cli.
@@ -157,22 +157,47 @@ class CheckpointConfig:
 
 @dataclass
 class WandbConfig:
-    mode: Literal["online", "offline", "disabled"] = doc("disabled", "W&B mode; offline writes a run to sync later with `wandb sync`")
+    mode: Optional[Literal["online", "offline", "disabled"]] = doc(
+        None, "W&B mode; None = online when an API key is set (WANDB_API_KEY or `wandb login`), else offline "
+              "(written under the run dir, uploaded later with `wandb sync`)")
     project: str = doc("hybridpar", "W&B project")
     entity: Optional[str] = doc(None, "W&B entity (team or user)")
     name: Optional[str] = doc(None, "W&B run name; None = run.name")
     group: Optional[str] = doc(None, "W&B group")
     tags: list[str] = doc([], "W&B tags (comma-separated on the command line)")
     dir: Optional[str] = doc(None, "where W&B writes; None = <run.dir>")
+    id: Optional[str] = doc(None, "W&B run id; None = a new one, or the one a resumed checkpoint recorded")
 
 
 @dataclass
 class LoggingConfig:
     interval: int = doc(10, "log metrics every this many steps (and at the last step)")
+    tensorboard: bool = doc(False, "also write the metrics as TensorBoard events under <run.dir>/tensorboard")
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "Weights & Biases"})
 
     def __post_init__(self):
         _positive("logging", interval=self.interval)
+
+
+@dataclass
+class ProfileConfig:
+    steps: Optional[str] = doc(None, "profile steps A-B (e.g. 10-12) with torch.profiler; a Chrome trace per rank "
+                                     "goes to <run.dir>/profile/")
+    memory_snapshot: bool = doc(False, "with profile.steps on CUDA: also dump a CUDA memory snapshot of those steps "
+                                       "(view it at pytorch.org/memory_viz)")
+
+    def __post_init__(self):
+        if self.steps is not None:
+            a, _, b = str(self.steps).partition("-")
+            if not (a.strip().isdigit() and b.strip().isdigit() and 1 <= int(a) <= int(b)):
+                raise ValueError(f"profile.steps={self.steps!r}: give a step range A-B with 1 <= A <= B, e.g. 10-12")
+
+    @property
+    def range(self) -> tuple[int, int] | None:
+        if self.steps is None:
+            return None
+        a, _, b = str(self.steps).partition("-")
+        return int(a), int(b)
 
 
 @dataclass
@@ -191,6 +216,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpoints"})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "metrics and logging"})
+    profile: ProfileConfig = field(default_factory=ProfileConfig, metadata={"help": "profiler"})
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "run identity and directory"})
 
     def __post_init__(self):

@@ -41,6 +41,15 @@ def world_from_env(env=os.environ) -> WorldInfo:
     return WorldInfo(0, 1, 0, 1)
 
 
+def slurm_master(env=os.environ) -> tuple[str, str]:
+    """MASTER_ADDR/MASTER_PORT for `srun` without torchrun: the allocation's first host, a port from the job id."""
+    import subprocess
+
+    hosts = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]], capture_output=True,
+                           text=True, check=True).stdout.split()
+    return hosts[0], str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+
+
 def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
     """(dp_replicate, dp_shard, tp) with a -1 filled in; ValueError listing every factor if they don't multiply."""
     degrees = [cfg.dp_replicate, cfg.dp_shard, cfg.tp]
@@ -81,6 +90,8 @@ def init_mesh(cfg: ParallelConfig, device: torch.device, world: WorldInfo) -> De
         if world.world_size == 1 and "MASTER_ADDR" not in os.environ:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
+            if "MASTER_ADDR" not in os.environ and "SLURM_JOB_NODELIST" in os.environ:  # srun without torchrun
+                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = slurm_master()
             dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
     return init_device_mesh(device.type, degrees, mesh_dim_names=MESH_AXES)
 

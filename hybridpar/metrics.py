@@ -1,12 +1,17 @@
-"""Where metrics go: <run.dir>/metrics.jsonl (the source of truth), the console, and W&B when enabled.
+"""Where metrics go: <run.dir>/metrics.jsonl (the source of truth), the console, W&B, and TensorBoard if asked.
 
-Only the logging rank (global rank 0) writes; the other ranks get a logger that drops everything.
+Only the logging rank (global rank 0) writes; the other ranks get a logger that drops everything. W&B defaults to
+offline unless an API key is configured, so a compute node without internet never fails a run; a resumed run
+passes the W&B run id its checkpoint recorded and logs its steps explicitly, continuing the same run. The API key
+is read by wandb from its own environment/netrc and never enters hybridpar's config, logs or metrics.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import netrc
+import os
 import sys
 from pathlib import Path
 
@@ -21,23 +26,51 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+def wandb_mode(configured: str | None) -> str:
+    """The configured mode, or online when an API key is available and offline otherwise."""
+    if configured is not None:
+        return configured
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    try:
+        rc = netrc.netrc()
+        return "online" if rc.authenticators("api.wandb.ai") else "offline"
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return "offline"
+
+
 class MetricsLogger:
-    """Appends one JSON object per call to metrics.jsonl, prints a console line, forwards to W&B."""
+    """Appends one JSON object per call to metrics.jsonl, prints a console line, forwards to W&B / TensorBoard."""
 
     def __init__(self, cfg: Config, run_dir: Path, enabled: bool, config_dict: dict | None = None, out=sys.stdout):
         self.enabled, self.out, self.total_steps = enabled, out, cfg.train.steps
         self.file = None
-        self.wandb_run = None
+        self.wandb_run = self.tensorboard = None
         if not enabled:
             return
         self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         w = cfg.logging.wandb
-        if w.mode != "disabled":
+        mode = wandb_mode(w.mode)
+        if mode != "disabled":
             import wandb
 
-            self.wandb_run = wandb.init(mode=w.mode, project=w.project, entity=w.entity,
+            resume = {"resume": "allow"} if w.id and mode == "online" else {}
+            self.wandb_run = wandb.init(mode=mode, project=w.project, entity=w.entity, id=w.id,
                                         name=w.name or cfg.run.name, group=w.group, tags=w.tags or None,
-                                        dir=w.dir or str(run_dir), config=config_dict)
+                                        dir=w.dir or str(run_dir), config=config_dict,
+                                        settings=wandb.Settings(console="off", silent=True), **resume)
+            self.print(f"W&B {mode} run {self.wandb_run.id}" + (
+                f": upload later with `wandb sync {self.wandb_run.dir.rsplit('/files', 1)[0]}`" if mode == "offline" else ""))
+        if cfg.logging.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
+
+    @property
+    def wandb_id(self) -> str | None:
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def print(self, message: str) -> None:
         if self.enabled:
@@ -51,11 +84,16 @@ class MetricsLogger:
         self.file.flush()
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+        if self.tensorboard is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tensorboard.add_scalar(k, v, row["step"])
         if "loss" in row:
             eta = row.get("step_time", float("nan")) * (self.total_steps - row["step"])
+            mfu = f" | MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
             self.print(f"step {row['step']:>{len(str(self.total_steps))}}/{self.total_steps} | "
                        f"loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
-                       f"{row['tokens_per_sec']:,.0f} tok/s | ETA {_fmt_eta(eta)}")
+                       f"{row['tokens_per_sec']:,.0f} tok/s{mfu} | ETA {_fmt_eta(eta)}")
         elif "val_loss" in row:
             self.print(f"step {row['step']:>{len(str(self.total_steps))}}/{self.total_steps} | "
                        f"val_loss {row['val_loss']:.4f} | val_ppl {row['val_ppl']:.1f}")
@@ -63,5 +101,7 @@ class MetricsLogger:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()

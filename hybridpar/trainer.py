@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.config import Config
 from hybridpar.data.dataset import build_training_data
+from hybridpar.flops import flops_per_token, peak_tflops
 from hybridpar.distributed import dp_rank_size
 from hybridpar.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger
@@ -100,6 +102,9 @@ class Trainer:
         self.consumed_samples = 0  # the data position: samples of all ranks consumed so far
         self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
         self.stop_requested = False  # set by a signal handler; acted on at the end of the step
+        self._data_seconds = 0.0
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     # -- collectives over the data-parallel axes -------------------------------------------------------------
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -118,7 +123,9 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        t0 = time.perf_counter()
         microbatches = self.data.train.microbatches(step)
+        self._data_seconds += time.perf_counter() - t0  # time the step waited on data (read-ahead hides most)
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(torch.tensor(float(count_target_tokens(microbatches)), device=self.device))
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
@@ -182,23 +189,30 @@ class Trainer:
             f"batch {t.global_batch_size} x {t.seq_len} = {tokens_per_step:,} tokens/step, "
             f"{cfg.grad_accum_steps(self.dp_size)} microbatch(es) of {t.micro_batch_size} per rank"
             + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss) else ""))
+        hosts = [None] * dist.get_world_size()
+        dist.all_gather_object(hosts, socket.gethostname())
+        self.log.print(f"{len(hosts)} rank(s) on {len(set(hosts))} host(s): "
+                       + ", ".join(f"{h} x{hosts.count(h)}" for h in dict.fromkeys(hosts)))
         start = time.perf_counter()
         if t.eval_interval and self.step == 0:
             self._validate(result)
         last_time, last_step = time.perf_counter(), self.step
+        profile_range, profiler = cfg.profile.range, None
         while self.step < t.steps:
+            if profile_range and self.step + 1 == profile_range[0]:
+                profiler = self._start_profiler()
             loss, grad_norm, lr, stop = self.train_step(self.step)
             self.step += 1
             done = self.step == t.steps
-            if self.step % cfg.logging.interval == 0 or done:
+            if profiler is not None and self.step == profile_range[1]:
+                self._stop_profiler(profiler, profile_range)
+                profiler = None
+            if self.step % cfg.logging.interval == 0 or done or stop:
                 loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
                 now = time.perf_counter()
                 elapsed, steps = now - last_time, self.step - last_step
                 result.losses[self.step] = loss_value
-                self.log.log({"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                              "tokens_per_sec": steps * tokens_per_step / elapsed,
-                              "consumed_tokens": self.step * tokens_per_step,
-                              "step_time": elapsed / steps})
+                self.log.log(self._metrics(loss_value, lr, float(grad_norm), elapsed, steps, tokens_per_step))
                 last_time, last_step = now, self.step
             if t.eval_interval and (self.step % t.eval_interval == 0 or done):
                 self._validate(result)
@@ -219,6 +233,55 @@ class Trainer:
         self.log.close()
         self.data.close()
         return result
+
+    def _metrics(self, loss: float, lr: float, grad_norm: float, elapsed: float, steps: int,
+                 tokens_per_step: int) -> dict:
+        """The row of a logging step; see docs/metrics.md for every field."""
+        world = dist.get_world_size()
+        step_time = elapsed / steps
+        # Straggler view: the slowest and fastest rank's mean step time over the interval.
+        spread = torch.tensor([step_time, -step_time], device=self.device)
+        if world > 1:
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        tps = steps * tokens_per_step / elapsed
+        per_device = tps / world
+        tflops = self.flops_per_token * per_device / 1e12
+        row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+               "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops, "step_time": step_time,
+               "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
+               "data_time": min(1.0, self._data_seconds / elapsed), "consumed_tokens": self.step * tokens_per_step,
+               "skipped_steps": self.skipped_steps}
+        if self.peak_tflops:
+            row["mfu"] = tflops / self.peak_tflops
+        if self.device.type == "cuda":
+            gib = 2 ** 30
+            row.update(mem_allocated_gib=torch.cuda.memory_allocated(self.device) / gib,
+                       mem_reserved_gib=torch.cuda.memory_reserved(self.device) / gib,
+                       mem_peak_gib=torch.cuda.max_memory_allocated(self.device) / gib)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._data_seconds = 0.0
+        return row
+
+    def _start_profiler(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        profiler = profile(activities=activities, record_shapes=True)
+        profiler.__enter__()
+        if self.cfg.profile.memory_snapshot and self.device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+        return profiler
+
+    def _stop_profiler(self, profiler, steps: tuple[int, int]) -> None:
+        profiler.__exit__(None, None, None)
+        out = self.run_dir / "profile"
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"rank{self.rank}.steps{steps[0]}-{steps[1]}"
+        profiler.export_chrome_trace(str(out / f"{name}.pt.trace.json"))  # Perfetto / chrome://tracing / TensorBoard
+        if self.cfg.profile.memory_snapshot and self.device.type == "cuda":
+            torch.cuda.memory._dump_snapshot(str(out / f"{name}.memory.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self.log.print(f"profile of steps {steps[0]}-{steps[1]} written to {out}")
 
     def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
         tok = self.tokenizer

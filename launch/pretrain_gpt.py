@@ -26,6 +26,7 @@ from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult
 
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving: requeue me (EX_TEMPFAIL)
 EXIT_ABORTED = 76  # a second signal arrived while the preemption save was running
+PREEMPTED = "PREEMPTED"  # <run.dir>/PREEMPTED: written when the run saved and stopped on a signal
 
 
 def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
@@ -80,6 +81,9 @@ def main(cfg: Config) -> TrainResult:
         trainer = Trainer(cfg, mesh, device, run_dir, hooks=[CheckpointHook(checkpointer, cfg.checkpoint.interval)])
         if load_from is not None:
             checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)
+            state_file = load_from / "run_state.json"
+            if not cfg.checkpoint.load_weights_only and cfg.logging.wandb.id is None and state_file.is_file():
+                cfg.logging.wandb.id = json.loads(state_file.read_text()).get("wandb_id")
         resumed = trainer.step > 0
         if world.rank == 0:  # only now, with every input checked, does the run write anything
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +99,13 @@ def main(cfg: Config) -> TrainResult:
                 what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"
                 trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples)")
         _install_signal_handlers(trainer)
-        return trainer.fit()
+        if world.rank == 0:
+            (run_dir / PREEMPTED).unlink(missing_ok=True)
+        result = trainer.fit()
+        if result.preempted and world.rank == 0:
+            # For job scripts: torchrun turns a worker's exit status into its own, so the marker file says it.
+            (run_dir / PREEMPTED).write_text(f"step {trainer.step}\n")
+        return result
     finally:
         shutdown()
 

@@ -21,7 +21,8 @@ from hybridpar.checkpoint import (CheckpointError, checkpoint_dir, latest_checkp
 STEPS = 8
 COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",
           "--logging.interval", "1", "--train.eval_interval", "0", "--train.sample_tokens", "0",
-          "--train.precision", "fp32", "--checkpoint.interval", "2", "--checkpoint.keep_last", "3"]
+          "--train.precision", "fp32", "--checkpoint.interval", "2", "--checkpoint.keep_last", "3",
+          "--logging.wandb.mode", "disabled"]
 
 
 def _args(cache_dir, run_dir, *extra):

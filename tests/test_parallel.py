@@ -15,7 +15,8 @@ from hybridpar.parallel import check_layout
 
 COMMON = ["--train.steps", "6", "--train.global_batch_size", "16", "--train.micro_batch_size", "2",
           "--train.seq_len", "64", "--logging.interval", "1", "--train.eval_interval", "0",
-          "--train.sample_tokens", "8", "--train.precision", "fp32", "--checkpoint.interval", "6"]
+          "--train.sample_tokens", "8", "--train.precision", "fp32", "--checkpoint.interval", "6",
+          "--logging.wandb.mode", "disabled"]
 
 
 def _losses(run_dir):

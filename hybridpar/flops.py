@@ -1,0 +1,58 @@
+"""Model FLOPs per token and MFU, as docs/metrics.md writes them out.
+
+Training FLOPs per token (forward + backward = 3 x forward, each multiply-add = 2 FLOPs; Megatron's accounting,
+Narayanan et al. 2021, with the attention term halved for the causal mask as PaLM's MFU does):
+
+    6 * N_matmul + 6 * L * T * (n_heads * head_dim)
+
+N_matmul counts the weights of every matrix multiply: per layer Q and O (H x n_heads*hd each), K and V
+(H x n_kv_heads*hd each), the MLP (2 or, for SwiGLU, 3 matrices of H x F); plus the LM head (V x H). Embedding
+lookups, norms, biases and activations are left out (they are not matmuls). The attention term: QK^T and AV each
+cost 2*T*(nh*hd) per token per layer in forward over the full T x T square; causal masking halves it; x3 for
+forward + backward. Recomputation by activation checkpointing is not counted: this is model FLOPs (MFU), not
+hardware FLOPs.
+"""
+
+from __future__ import annotations
+
+from hybridpar.models import ModelConfig
+
+# Dense (no sparsity) bf16 tensor-core peaks, TFLOP/s per device, from the vendors' datasheets. Matched against
+# torch.cuda.get_device_name() in order; a device not listed gets no MFU rather than a guessed peak.
+PEAK_BF16_TFLOPS: list[tuple[tuple[str, ...], float]] = [
+    (("GB200",), 2500.0),
+    (("B200",), 2250.0),
+    (("GH200",), 989.4),
+    (("H200",), 989.4),
+    (("H100", "PCIe"), 756.0),
+    (("H100", "NVL"), 835.0),
+    (("H100",), 989.4),  # SXM (HBM3)
+    (("H800",), 989.4),
+    (("A100",), 312.0),
+    (("A800",), 312.0),
+    (("L40S",), 362.0),
+    (("MI300X",), 1307.4),
+    (("MI325X",), 1307.4),
+]
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    H, hd = cfg.d_model, cfg.head_dim
+    attn = 2 * H * cfg.n_heads * hd + 2 * H * cfg.kv_heads * hd
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * H * cfg.ffn_dim
+    return cfg.n_layers * (attn + mlp) + cfg.vocab_size * H
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training (forward + backward) model FLOPs per token at sequence length seq_len."""
+    return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+
+
+def peak_tflops(device_name: str | None) -> float | None:
+    """The dense bf16 peak of a device name, or None when unknown (CPUs, unlisted GPUs)."""
+    if not device_name:
+        return None
+    for keys, peak in PEAK_BF16_TFLOPS:
+        if all(k in device_name for k in keys):
+            return peak
+    return None

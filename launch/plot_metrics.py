@@ -1,0 +1,75 @@
+"""Plot the metrics of one or more runs (their metrics.jsonl), overlaid: loss, validation loss, learning rate,
+tokens/s and MFU, against step and against tokens.
+
+    python launch/plot_metrics.py runs/a runs/b --out plots.png
+
+Needs matplotlib (pip install -e ".[plot]").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PANELS = [("loss", "train loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
+          ("tokens_per_sec", "tokens/s (global)"), ("mfu", "MFU")]
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl; give run directories")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(run_dirs: list[Path], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {str(d): read_rows(d) for d in run_dirs}
+    fig, axes = plt.subplots(len(PANELS), 2, figsize=(12, 3 * len(PANELS)), squeeze=False)
+    for row, (key, title) in enumerate(PANELS):
+        for col, xkey in enumerate(("step", "consumed_tokens")):
+            ax = axes[row][col]
+            for name, rows in runs.items():
+                tokens_per_step = next((r["consumed_tokens"] / r["step"] for r in rows
+                                        if r.get("consumed_tokens") and r.get("step")), None)
+                pts = [(r["step"] if xkey == "step" else r["step"] * (tokens_per_step or 0), r[key])
+                       for r in rows if key in r and r[key] is not None]
+                if pts:
+                    ax.plot(*zip(*pts), label=Path(name).name, marker="." if key == "val_loss" else None)
+            if not ax.lines:
+                ax.text(0.5, 0.5, "not recorded (e.g. MFU on a device without a known peak)", ha="center",
+                        va="center", transform=ax.transAxes, color="gray")
+            ax.set_title(f"{title} vs {'step' if xkey == 'step' else 'tokens'}")
+            ax.grid(alpha=0.3)
+            if key == "loss" and col == 0:
+                ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=80)
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
+    p.add_argument("--out", type=Path, default=Path("metrics.png"))
+    a = p.parse_args(argv)
+    try:
+        plot(a.runs, a.out)
+    except ImportError:
+        print('error: plotting needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""Observability: the offline W&B run read back from its .wandb file equals metrics.jsonl, resume continues the same
+W&B run, disabled writes nothing, the API key appears nowhere; FLOPs/MFU formulas by hand; profiler trace; plots;
+TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import run_cli
+from hybridpar.flops import flops_per_token, matmul_params, peak_tflops
+from hybridpar.models import get_model_config
+from hybridpar.wandb_file import history, run_id
+
+FAKE_KEY = "hybridpar-test-key-0123456789abcdef0123"
+ARGS = ["--train.steps", "6", "--train.global_batch_size", "8", "--train.seq_len", "64", "--logging.interval", "2",
+        "--train.eval_interval", "3", "--train.sample_tokens", "0", "--checkpoint.interval", "3"]
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _wandb_files(run_dir):
+    """The run files under wandb/offline-run-*/ (not through wandb's latest-run symlink)."""
+    return sorted(p for p in run_dir.rglob("run-*.wandb") if not p.parent.is_symlink())
+
+
+def _env_with_key():
+    return {**os.environ, "WANDB_API_KEY": FAKE_KEY}
+
+
+@pytest.fixture(scope="module")
+def offline_run(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("wandb") / "run"
+    out = run_cli(["launch/pretrain_gpt.py", *ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir),
+                   "--logging.wandb.mode", "offline"], env=_env_with_key())
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir, out
+
+
+def test_offline_wandb_history_equals_metrics_jsonl(offline_run):
+    run_dir, _ = offline_run
+    files = _wandb_files(run_dir)
+    assert len(files) == 1
+    logged = {}
+    for row in history(files[0]):
+        logged.setdefault(row["_step"], {}).update({k: v for k, v in row.items() if k != "_step"})
+    expected = {}
+    for row in _rows(run_dir):
+        expected.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
+    assert sorted(logged) == sorted(expected) == [0, 2, 3, 4, 6]
+    for step, values in expected.items():
+        for key, value in values.items():
+            assert logged[step][key] == pytest.approx(value, rel=1e-12), (step, key)
+
+
+def test_training_rows_carry_every_metric(offline_run):
+    run_dir, out = offline_run
+    train = [r for r in _rows(run_dir) if "loss" in r]
+    for r in train:
+        assert {"loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
+                "step_time", "data_time", "consumed_tokens", "skipped_steps", "step_time_max",
+                "step_time_min"} <= set(r)
+        assert "mfu" not in r  # a CPU has no known peak: no MFU rather than a guessed one
+        assert 0.0 <= r["data_time"] <= 1.0 and r["step_time_min"] <= r["step_time_max"]
+        cfg = get_model_config("tiny")
+        assert r["tflops_per_device"] == pytest.approx(flops_per_token(cfg, 64) * r["tokens_per_sec_per_device"] / 1e12)
+
+
+def test_resume_continues_the_same_wandb_run(offline_run, tmp_path, cache_dir):
+    import shutil
+
+    run_dir, _ = offline_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run_dir, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")  # as if killed after step 3's checkpoint
+    before = _wandb_files(resumed)
+    first_id = run_id(before[0])
+    out = run_cli(["launch/pretrain_gpt.py", *ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(resumed),
+                   "--logging.wandb.mode", "offline"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    new = [f for f in _wandb_files(resumed) if f not in before]
+    assert len(new) == 1 and run_id(new[0]) == first_id
+    assert "resuming from" in out.stdout and f"W&B offline run {first_id}" in out.stdout
+    steps = sorted({row["_step"] for row in history(new[0])})
+    assert steps == [4, 6]  # continues at the resumed steps, never from 0
+
+
+def test_disabled_writes_no_wandb_files(tmp_path, cache_dir):
+    out = run_cli(["launch/pretrain_gpt.py", *ARGS, "--data.cache_dir", str(cache_dir), "--run.dir",
+                   str(tmp_path / "run"), "--logging.wandb.mode", "disabled"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not list((tmp_path / "run").rglob("*wandb*"))
+
+
+def test_api_key_is_in_no_file_the_run_writes(offline_run):
+    run_dir, out = offline_run
+    assert FAKE_KEY not in out.stdout + out.stderr
+    for path in run_dir.rglob("*"):
+        if path.is_file():
+            assert FAKE_KEY.encode() not in path.read_bytes(), path
+
+
+def test_flops_per_token_by_hand():
+    # gpt2-124m, T=1024. Per layer: Q,K,V,O 4 x 768^2 = 2,359,296; MLP 2 x 768 x 3072 = 4,718,592.
+    # 12 layers: 84,934,656; LM head 50304 x 768 = 38,633,472; N = 123,568,128.
+    # 6N = 741,408,768; attention 6 x 12 x 1024 x 768 = 56,623,104; total 798,031,872.
+    gpt2 = get_model_config("gpt2-124m")
+    assert matmul_params(gpt2) == 123_568_128
+    assert flops_per_token(gpt2, 1024) == 798_031_872
+    # gpt-modern-1b, T=4096: Q,O 2 x 2048^2 = 8,388,608; K,V (8 kv heads x 64) 2 x 2048 x 512 = 2,097,152;
+    # SwiGLU 3 x 2048 x 8192 = 50,331,648; per layer 60,817,408; x16 = 973,078,528; LM head 32000 x 2048 =
+    # 65,536,000; N = 1,038,614,528; 6N = 6,231,687,168; attention 6 x 16 x 4096 x 2048 = 805,306,368.
+    modern = get_model_config("gpt-modern-1b")
+    assert matmul_params(modern) == 1_038_614_528
+    assert flops_per_token(modern, 4096) == 7_036_993_536
+
+
+def test_peak_table_and_unknown_devices():
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA H200") == 989.4
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA B200") == 2250.0
+    assert peak_tflops("NVIDIA GeForce GTX 1080") is None and peak_tflops(None) is None
+
+
+def test_profiler_trace_plot_and_tensorboard(tmp_path, cache_dir):
+    run_dir = tmp_path / "prof"
+    out = run_cli(["launch/pretrain_gpt.py", *ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir),
+                   "--profile.steps", "2-3", "--logging.tensorboard", "true"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    traces = list((run_dir / "profile").glob("*.json"))
+    assert len(traces) == 1 and "traceEvents" in traces[0].read_text()[:2000]
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    plot = run_cli(["launch/plot_metrics.py", str(run_dir), "--out", str(tmp_path / "m.png")])
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
