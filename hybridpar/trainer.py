@@ -240,7 +240,7 @@ class Trainer:
         world = dist.get_world_size()
         step_time = elapsed / steps
         # Straggler view: the slowest and fastest rank's mean step time over the interval.
-        spread = torch.tensor([step_time, -step_time], device=self.device)
+        spread = torch.tensor([step_time, -step_time], dtype=torch.float64, device=self.device)
         if world > 1:
             dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         tps = steps * tokens_per_step / elapsed

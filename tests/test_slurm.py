@@ -93,7 +93,8 @@ def test_sbatch_two_nodes_tp2_dp2_matches_one_process(slurm, reference, tmp_path
 def test_preempted_job_saves_requeues_and_resumes(slurm, tmp_path, cache_dir):
     args = [*ARGS, "--train.steps", "100", "--checkpoint.interval", "1000", "--data.cache_dir", str(cache_dir)]
     ref_dir = tmp_path / "unbroken"
-    out = run_cli(["launch/pretrain_gpt.py", *args, "--run.dir", str(ref_dir)])
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py",
+                   *args, "--run.dir", str(ref_dir)])  # the same layout as the job: 2 processes
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = tmp_path / "preempted"
     t0 = time.time()
@@ -105,11 +106,11 @@ def test_preempted_job_saves_requeues_and_resumes(slurm, tmp_path, cache_dir):
         time.sleep(0.2)
     sig = subprocess.run(["scancel", "--signal=USR1", "--batch", jid], capture_output=True, text=True, timeout=60)
     assert sig.returncode == 0, sig.stderr
+    # SLURM holds a requeued job for about two minutes (its BeginTime); make it eligible now to keep the test short.
+    _wait(jid, lambda j: int(j.get("Restarts", "0")) >= 1 and j.get("JobState") == "PENDING", timeout=300)
+    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], capture_output=True, timeout=60)
     job = _wait(jid, lambda j: int(j.get("Restarts", "0")) >= 1 and j.get("JobState") == "COMPLETED", timeout=900)
     stdout = (tmp_path / f"hp-preempt-{jid}.out").read_text()
     assert "requeueing job" in stdout and "resuming from" in stdout, stdout[-3000:]
-    got, want = _losses(run_dir), _losses(ref_dir)
-    assert sorted(got) == sorted(want)
-    for step in want:  # 2 ranks vs 1 process: the layout-parity tolerance
-        assert abs(got[step] - want[step]) <= 1e-5 * abs(want[step]), (step, got[step], want[step])
+    assert _losses(run_dir) == _losses(ref_dir)  # bitwise, every step before and after the requeue
     print(f"preempted job {jid}: {time.time() - t0:.0f}s from submit to COMPLETED after {job['Restarts']} requeue(s)")
