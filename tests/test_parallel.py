@@ -13,8 +13,8 @@ from hybridpar.config_cli import load_config
 from hybridpar.distributed import resolve_degrees, world_from_env
 from hybridpar.parallel import check_layout
 
-COMMON = ["--train.steps", "6", "--train.global_batch_size", "16", "--train.micro_batch_size", "2",
-          "--train.seq_len", "64", "--logging.interval", "1", "--train.eval_interval", "0",
+# Global batch 16 in 2 microbatches per rank for every layout (micro = 16 / (2 x dp)): gradient accumulation 2.
+COMMON = ["--train.steps", "6", "--train.global_batch_size", "16", "--train.seq_len", "64", "--logging.interval", "1", "--train.eval_interval", "0",
           "--train.sample_tokens", "8", "--train.precision", "fp32", "--checkpoint.interval", "6",
           "--logging.wandb.mode", "disabled"]
 
@@ -24,9 +24,11 @@ def _losses(run_dir):
             if '"loss"' in line]
 
 
-def _train(tmp_path, cache_dir, name, nproc, extra=()):
+def _train(tmp_path, cache_dir, name, nproc, extra=(), dp=None):
     run_dir = tmp_path / name
-    args = [*COMMON, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), *extra]
+    micro = str(16 // (2 * (dp or nproc)))
+    args = [*COMMON, "--train.micro_batch_size", micro, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir),
+            *extra]
     if nproc == 1:
         out = run_cli(["launch/pretrain_gpt.py", *args])
     else:
@@ -67,35 +69,34 @@ def reference(tmp_path_factory, cache_dir):
 
 
 # (dp_replicate, dp_shard, tp) -> processes
-LAYOUTS = [((1, 4, 1), 4), ((1, 2, 2), 4), ((1, 1, 4), 4), ((2, 2, 1), 4), ((2, 1, 2), 4), ((1, 1, 2), 2)]
+# (dp_replicate, dp_shard, tp) -> processes, and switches that change where and when things are computed or stored
+# but never the numbers: sequence parallelism off, activation checkpointing, FSDP prefetch depth, CPU offload and
+# the strategy. Each rides along with one layout, which still has to give the single-process result.
+LAYOUTS = [
+    ((1, 4, 1), 4, ["--train.activation_checkpointing", "full", "--parallel.fsdp_prefetch", "2"]),
+    ((1, 2, 2), 4, []),
+    ((1, 1, 4), 4, []),
+    ((2, 2, 1), 4, ["--train.activation_checkpointing", "selective", "--parallel.fsdp_cpu_offload", "true",
+                    "--parallel.fsdp_strategy", "shard_grad_op"]),
+    ((2, 1, 2), 4, []),
+    ((1, 1, 2), 2, ["--parallel.sequence_parallel", "false"]),
+]
 
 
-@pytest.mark.parametrize("layout, nproc", LAYOUTS, ids=[f"r{a}s{b}t{c}" for (a, b, c), _ in LAYOUTS])
-def test_layout_gives_the_single_process_loss_curve(layout, nproc, reference, tmp_path, cache_dir):
+@pytest.mark.parametrize("layout, nproc, extra", LAYOUTS,
+                         ids=[f"r{a}s{b}t{c}" + ("-" + "-".join(e[1::2]) if e else "") for (a, b, c), _, e in LAYOUTS])
+def test_layout_gives_the_single_process_loss_curve(layout, nproc, extra, reference, tmp_path, cache_dir):
     r, s, t = layout
     losses, stdout = _train(tmp_path, cache_dir, "run", nproc, ["--parallel.dp_replicate", str(r),
-                                                                 "--parallel.dp_shard", str(s), "--parallel.tp", str(t)])
+                                                                 "--parallel.dp_shard", str(s), "--parallel.tp", str(t),
+                                                                 *extra], dp=r * s)
     assert f"'dp_replicate': {r}, 'dp_shard': {s}, 'tp': {t}" in stdout
+    assert "2 microbatch(es)" in stdout
     ref_losses, ref_weights = reference
     assert len(losses) == len(ref_losses)
     for got, want in zip(losses, ref_losses):
         assert abs(got - want) <= 1e-5 * abs(want), (losses, ref_losses)
     assert_same_weights(_final_weights(tmp_path / "run"), ref_weights)
-
-
-@pytest.mark.parametrize("extra", [
-    ["--parallel.tp", "2", "--parallel.sequence_parallel", "false"],
-    ["--parallel.dp_shard", "2", "--train.activation_checkpointing", "full", "--parallel.fsdp_prefetch", "2"],
-    ["--parallel.dp_shard", "2", "--train.activation_checkpointing", "selective", "--parallel.fsdp_cpu_offload",
-     "true", "--parallel.fsdp_strategy", "shard_grad_op"],
-], ids=["tp2-sp-off", "fsdp2-ac-full-prefetch2", "fsdp2-ac-selective-offload-shard-grad-op"])
-def test_switches_keep_the_single_process_result(extra, tmp_path, cache_dir, reference):
-    """Sequence parallelism off, activation checkpointing, prefetch depth, CPU offload and the strategy change
-    where and when things are computed or stored, never the numbers."""
-    losses, _ = _train(tmp_path, cache_dir, "run", 2, extra)
-    for got, want in zip(losses, reference[0]):
-        assert abs(got - want) <= 1e-5 * abs(want), (losses, reference[0])
-    assert_same_weights(_final_weights(tmp_path / "run"), reference[1])
 
 
 def test_degrees_fill_and_mismatch():

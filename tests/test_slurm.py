@@ -91,7 +91,7 @@ def test_sbatch_two_nodes_tp2_dp2_matches_one_process(slurm, reference, tmp_path
 
 
 def test_preempted_job_saves_requeues_and_resumes(slurm, tmp_path, cache_dir):
-    args = [*ARGS, "--train.steps", "100", "--checkpoint.interval", "1000", "--data.cache_dir", str(cache_dir)]
+    args = [*ARGS, "--train.steps", "60", "--checkpoint.interval", "1000", "--data.cache_dir", str(cache_dir)]
     ref_dir = tmp_path / "unbroken"
     out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py",
                    *args, "--run.dir", str(ref_dir)])  # the same layout as the job: 2 processes

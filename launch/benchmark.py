@@ -1,0 +1,150 @@
+"""Measure training speed: hybridpar's full step (mesh, parallelize, scheduler, optimizer) after warm-up, and
+optionally the same model and batch through a plain single-device PyTorch loop in the same process.
+
+    python launch/benchmark.py --model.name gpt3-1.3b --train.seq_len 2048 --train.global_batch_size 8 \\
+        --train.compile true --warmup 5 --steps 20 --baseline plain --json bench.json
+    torchrun --nproc_per_node 8 launch/benchmark.py --config configs/gpt3-6.7b.yaml --steps 10
+
+Every other argument is a training config override. Reports the median step time (CUDA events on GPU), tokens/s,
+TFLOP/s per device and MFU (docs/metrics.md), peak memory, and the split of a step into data, forward+backward and
+optimizer. Nothing is written but the --json file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hybridpar.config_cli import ConfigError, load_config
+from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
+from hybridpar.flops import flops_per_token, peak_tflops
+from hybridpar.metrics import MetricsLogger
+from hybridpar.models import build_model
+from hybridpar.trainer import Trainer
+
+
+class _Clock:
+    """Wall time that waits for the device first, so GPU work is counted where it happens."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def bench_hybridpar(cfg, warmup: int, steps: int) -> dict:
+    world = world_from_env()
+    device = pick_device(cfg.train.device, world.local_rank)
+    mesh = init_mesh(cfg.parallel, device, world)
+    tmp = Path(tempfile.mkdtemp(prefix="hybridpar-bench-"))
+    cfg.train.steps = max(cfg.train.steps, warmup + steps)
+    trainer = Trainer(cfg, mesh, device, tmp)
+    trainer.log = MetricsLogger(cfg, tmp, enabled=False)
+    clock = _Clock(device)
+    split = {"data": 0.0, "optimizer": 0.0}
+    opt_start = []
+    trainer.optimizer.register_step_pre_hook(lambda *_: opt_start.append(clock.now()))
+    trainer.optimizer.register_step_post_hook(lambda *_: split.__setitem__(
+        "optimizer", split["optimizer"] + clock.now() - opt_start.pop()))
+    times = []
+    for s in range(warmup + steps):
+        if s == warmup:
+            split = {"data": 0.0, "optimizer": 0.0}
+            trainer._data_seconds = 0.0
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+        t0 = clock.now()
+        trainer.train_step(s)
+        times.append(clock.now() - t0)
+    split["data"] = trainer._data_seconds
+    timed = times[warmup:]
+    step_time = statistics.median(timed)
+    t = cfg.train
+    tps = t.global_batch_size * t.seq_len / step_time
+    n = dist.get_world_size()
+    tflops = flops_per_token(cfg.model, t.seq_len) * tps / n / 1e12
+    peak = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    total = sum(timed)
+    result = {
+        "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / n, "step_time_s": step_time,
+        "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
+        "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "split": {"data_s": split["data"] / steps, "optimizer_s": split["optimizer"] / steps,
+                  "forward_backward_s": (total - split["data"] - split["optimizer"]) / steps},
+        "world_size": n, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    trainer.data.close()
+    return result, device
+
+
+def bench_plain(cfg, device: torch.device, warmup: int, steps: int) -> float:
+    """Tokens/s of the same model and global batch in a plain loop: model, fused AdamW on CUDA, bf16 autocast on
+    CUDA, optional torch.compile of the whole model; no mesh, no FSDP, no scheduler."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, device=device)
+    if cfg.train.compile:
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, fused=device.type == "cuda")
+    t = cfg.train
+    micro = t.micro_batch_size or t.global_batch_size
+    x = torch.randint(0, min(cfg.model.vocab_size, 4096), (micro, t.seq_len + 1), device=device)
+    use_bf16 = device.type == "cuda" and cfg.train.precision != "fp32"
+    clock, times = _Clock(device), []
+    for s in range(warmup + steps):
+        t0 = clock.now()
+        for _ in range(t.global_batch_size // micro):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16):
+                logits = model(x[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(clock.now() - t0)
+    return t.global_batch_size * t.seq_len / statistics.median(times[warmup:])
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=True)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--baseline", choices=["none", "plain"], default="none")
+    a, rest = p.parse_known_args(argv)
+    try:
+        if a.warmup < 0 or a.steps < 1:
+            raise ConfigError(f"--warmup {a.warmup} --steps {a.steps}: need warmup >= 0 and steps >= 1")
+        cfg = load_config(rest + ["--logging.wandb.mode", "disabled"])
+        result, device = bench_hybridpar(cfg, a.warmup, a.steps)
+        if a.baseline == "plain":
+            if dist.get_world_size() > 1:
+                raise ConfigError("--baseline plain measures one device: run it without torchrun")
+            result["baseline_tokens_per_sec"] = bench_plain(cfg, device, a.warmup, a.steps)
+            result["ratio"] = result["tokens_per_sec"] / result["baseline_tokens_per_sec"]
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+    result.update(model=cfg.model.name, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
+                  precision=cfg.train.precision, compile=cfg.train.compile, torch=torch.__version__,
+                  date=datetime.date.today().isoformat(), warmup=a.warmup, steps=a.steps)
+    print(json.dumps(result, indent=1))
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
