@@ -272,6 +272,8 @@ class CheckpointHook:
             self._save(trainer, step)
 
     def on_train_end(self, trainer) -> None:
-        if self.interval and self.last_saved != trainer.step:
+        # (A finished run started again resumes at its last step: its final checkpoint exists already.)
+        if self.interval and self.last_saved != trainer.step and not is_complete(checkpoint_dir(trainer.run_dir,
+                                                                                                  trainer.step)):
             self._save(trainer, trainer.step)
         self.checkpointer.wait()

@@ -90,6 +90,30 @@ def test_sbatch_two_nodes_tp2_dp2_matches_one_process(slurm, reference, tmp_path
     print(f"2-node sbatch job {jid}: {time.time() - t0:.0f}s from submit to COMPLETED")
 
 
+def test_srun_without_torchrun_reads_slurm_variables(slurm, reference, tmp_path, cache_dir):
+    """One srun task per process, no torchrun: rank/world from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID, master
+    address from the node list, port from the job id."""
+    import shlex
+
+    run_dir = tmp_path / "srun"
+    args = [*ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), "--parallel.tp", "2"]
+    cmd = "srun --kill-on-bad-exit=1 " + " ".join(shlex.quote(a) for a in [sys.executable, "launch/pretrain_gpt.py", *args])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--job-name=hp-srun",
+                          f"--output={tmp_path}/%x-%j.out", f"--chdir={ROOT}", f"--wrap={cmd}"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    jid = out.stdout.strip().split(";")[0]
+    job = _wait(jid, lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+    stdout = (tmp_path / f"hp-srun-{jid}.out").read_text()
+    assert job["JobState"] == "COMPLETED", stdout[-3000:]
+    assert "4 rank(s) on 2 host(s)" in stdout and "'dp_shard': 2, 'tp': 2" in stdout
+    got = _losses(run_dir)
+    for step, want in reference.items():
+        assert abs(got[step] - want) <= 1e-5 * abs(want), (got, reference)
+
+
 def test_preempted_job_saves_requeues_and_resumes(slurm, tmp_path, cache_dir):
     args = [*ARGS, "--train.steps", "60", "--checkpoint.interval", "1000", "--data.cache_dir", str(cache_dir)]
     ref_dir = tmp_path / "unbroken"
