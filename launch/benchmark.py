@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from hybridpar.config_cli import ConfigError, load_config
 from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
-from hybridpar.flops import flops_per_token, peak_tflops
 from hybridpar.metrics import MetricsLogger
 from hybridpar.models import build_model
 from hybridpar.trainer import Trainer
@@ -75,8 +74,8 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> dict:
     t = cfg.train
     tps = t.global_batch_size * t.seq_len / step_time
     n = dist.get_world_size()
-    tflops = flops_per_token(cfg.model, t.seq_len) * tps / n / 1e12
-    peak = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    tflops = trainer.flops_per_token * tps / n / 1e12
+    peak = trainer.peak_tflops
     total = sum(timed)
     result = {
         "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / n, "step_time_s": step_time,

@@ -80,7 +80,6 @@ def from_hf_cmd(a) -> str:
 
 
 def to_torch_cmd(a) -> str:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict

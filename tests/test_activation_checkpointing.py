@@ -3,8 +3,6 @@ autograd saves outside checkpointed regions)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 

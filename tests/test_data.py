@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 
-import numpy as np
 import pytest
 
 from conftest import run_cli

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from conftest import run_cli
 from hybridpar.checkpoint import checkpoint_dir, load_full_model_state

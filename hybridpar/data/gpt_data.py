@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
