@@ -1,0 +1,89 @@
+"""Dry run: one rank of a large job, in one CPU process, with no memory and no network.
+
+The model is built on the meta device (shapes, no storage), a fake process group of the requested world size
+stands in for NCCL (its collectives return at once), the real device mesh and the real parallelize function are
+applied for one rank's coordinates, and an AdamW step on meta gradients creates the optimizer state. What comes
+out is that rank's local shard shapes and bytes: the figures the planner (hybridpar.plan) must reproduce.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.config import Config
+from hybridpar.distributed import MESH_AXES, resolve_degrees
+from hybridpar.models import build_model
+from hybridpar.parallel import check_layout
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def dry_run(cfg: Config, world_size: int, rank: int = 0, gpus_per_node: int | None = None) -> dict:
+    """Parallelize cfg's model for `rank` of `world_size` on the meta device; returns its local bytes and shapes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from hybridpar.parallel import parallelize_gpt
+
+    if dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group (it starts a fake one)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside the world of {world_size}; pick 0 <= rank < {world_size}")
+    cfg = copy.deepcopy(cfg)
+    degrees = resolve_degrees(cfg.parallel, world_size)
+    check_layout(cfg, degrees, gpus_per_node)
+    cfg.train.compile = False  # compilation does not change shapes, and needs real tensors
+    start = time.perf_counter()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", degrees, mesh_dim_names=MESH_AXES)
+        model = parallelize_gpt(build_model(cfg.model, device="meta", init=False), mesh, cfg)
+        params = dict(model.named_parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False, foreach=False)
+        for p in params.values():
+            p.grad = torch.zeros_like(p)  # FSDP2 keeps each gradient sharded like its parameter
+        optimizer.step()  # creates AdamW's state, on meta
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        out = {
+            "world_size": world_size, "rank": rank, "degrees": dict(zip(MESH_AXES, degrees)),
+            "coords": {axis: mesh[axis].get_local_rank() for axis in MESH_AXES},
+            "dry_run_params_bytes": sum(_nbytes(p) for p in params.values()),
+            "dry_run_grads_bytes": sum(_nbytes(p.grad) for p in params.values()),
+            "dry_run_optimizer_bytes": sum(_nbytes(v) for v in state),
+            "local_shapes": {n: tuple(_local(p).shape) for n, p in params.items()},
+        }
+    finally:
+        dist.destroy_process_group()
+    out["dry_run_seconds"] = time.perf_counter() - start
+    return out
+
+
+def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, autocast: bool = False) -> int:
+    """Bytes autograd keeps for backward in one forward of a real (non-meta) model, each storage once, parameters
+    excluded. Checkpointed regions show only what they save outside themselves (their inputs are not counted)."""
+    from contextlib import nullcontext
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ctx = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast else nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        model(input_ids)
+    return sum(seen.values())

@@ -1,0 +1,357 @@
+"""The planner: per-GPU memory and step time of a layout, from the model config and the layout alone.
+
+Every byte count here is computed from shapes: the same arithmetic that TP (DTensor Shard placements) and FSDP2
+(dim-0 chunks of the TP-local tensor) apply, so the parameter, gradient and optimizer bytes must equal what the
+real parallelize function produces (`hybridpar.dry_run` checks that, under a fake process group). Activations
+follow the saved tensors of hybridpar's GPT block with fused (flash) attention; docs/performance.md writes out the
+per-layer terms and how they were checked. The step time is an estimate from FLOPs and link bandwidths, with its
+assumptions listed in GPUS and step_time().
+
+Rank coordinates follow hybridpar.distributed: the mesh is dp_replicate x dp_shard x tp, tp innermost, so
+rank = (rep * dp_shard + shard) * tp + tp_rank. Rank 0 holds the largest shards (chunks are ceil-sized first).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+from hybridpar.config import Config
+from hybridpar.flops import flops_per_token
+from hybridpar.models import ModelConfig
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One GPU type: memory, dense bf16 peak, HBM bandwidth, per-GPU link bandwidths (one direction, GB/s)."""
+    memory_gib: float
+    peak_tflops: float
+    hbm_gbps: float
+    nvlink_gbps: float
+    internode_gbps: float
+
+
+# Datasheet figures (NVIDIA H100/H200/A100/B200 datasheets; DGX/HGX reference designs with one 400 Gb/s NIC per GPU
+# for H100/H200/B200 and one 200 Gb/s HDR NIC per GPU for A100). Memory in GiB as torch reports it.
+GPUS: dict[str, GPU] = {
+    "a100": GPU(memory_gib=79.2, peak_tflops=312.0, hbm_gbps=2039.0, nvlink_gbps=300.0, internode_gbps=25.0),
+    "h100": GPU(memory_gib=79.1, peak_tflops=989.4, hbm_gbps=3350.0, nvlink_gbps=450.0, internode_gbps=50.0),
+    "h200": GPU(memory_gib=139.8, peak_tflops=989.4, hbm_gbps=4800.0, nvlink_gbps=450.0, internode_gbps=50.0),
+    "b200": GPU(memory_gib=178.4, peak_tflops=2250.0, hbm_gbps=8000.0, nvlink_gbps=900.0, internode_gbps=50.0),
+}
+
+# Efficiency assumptions of the step-time estimate.
+MATMUL_EFFICIENCY = 0.52  # model FLOPs / peak of a tuned dense GPT step: the plain 1.3B reference on an H200 ran
+#                           60.9k tokens/s x 8.5 GFLOP/token = 518 TFLOP/s = 52% of 989 (issue 8's measurement)
+LINK_EFFICIENCY = 0.80    # achieved bus bandwidth / link bandwidth of NCCL ring collectives at large message sizes
+RESERVED_GIB = 3.0        # CUDA context, NCCL buffers and allocator fragmentation kept out of the usable memory
+
+
+# -- shapes ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # the dim TP shards (None: replicated over tp)
+    block: int | None   # transformer block index (None: the root: embeddings, final norm, LM head)
+
+
+def param_specs(m: ModelConfig, layers: range | None = None) -> list[ParamSpec]:
+    """Every parameter of hybridpar's GPT (tied ones once), with the dim the TP plan shards it on; `layers`
+    restricts the blocks listed (all by default)."""
+    H, hd, F, V = m.d_model, m.head_dim, m.ffn_dim, m.vocab_size
+    specs = [ParamSpec("tok_embeddings.weight", (V, H), 0, None)]
+    if m.position == "learned":
+        specs.append(ParamSpec("pos_embeddings.weight", (m.max_seq_len, H), None, None))
+    norm = ["weight", "bias"] if (m.norm == "layernorm" and m.bias) else ["weight"]
+    col = {"attn.wq": m.n_heads * hd, "attn.wk": m.kv_heads * hd, "attn.wv": m.kv_heads * hd}
+    for i in (range(m.n_layers) if layers is None else layers):
+        p = f"layers.{i}."
+        specs += [ParamSpec(f"{p}attn_norm.{w}", (H,), None, i) for w in norm]
+        for name, out in col.items():
+            specs.append(ParamSpec(f"{p}{name}.weight", (out, H), 0, i))
+            if m.bias:
+                specs.append(ParamSpec(f"{p}{name}.bias", (out,), 0, i))
+        specs.append(ParamSpec(f"{p}attn.wo.weight", (H, m.n_heads * hd), 1, i))
+        if m.bias:
+            specs.append(ParamSpec(f"{p}attn.wo.bias", (H,), None, i))
+        specs += [ParamSpec(f"{p}mlp_norm.{w}", (H,), None, i) for w in norm]
+        for name in (["mlp.gate"] if m.mlp == "swiglu" else []) + ["mlp.up"]:
+            specs.append(ParamSpec(f"{p}{name}.weight", (F, H), 0, i))
+            if m.bias:
+                specs.append(ParamSpec(f"{p}{name}.bias", (F,), 0, i))
+        specs.append(ParamSpec(f"{p}mlp.down.weight", (H, F), 1, i))
+        if m.bias:
+            specs.append(ParamSpec(f"{p}mlp.down.bias", (H,), None, i))
+    specs += [ParamSpec(f"norm.{w}", (H,), None, None) for w in norm]
+    if not m.tie_embeddings:
+        specs.append(ParamSpec("lm_head.weight", (V, H), 0, None))
+    return specs
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Length of torch.chunk's piece `index` of a dim of length n split in `parts` (DTensor Shard and FSDP2 both
+    split this way: ceil-sized pieces first, the last ones shorter or empty)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(replicate, shard, tp) coordinates of a rank."""
+        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
+
+
+def local_shape(spec: ParamSpec, layout: Layout, rank: int) -> tuple[int, ...]:
+    """The shape of this rank's piece: TP chunk of spec.tp_dim, then (with FSDP) the dp_shard chunk of dim 0."""
+    _, shard, tp_rank = layout.coords(rank)
+    shape = list(spec.shape)
+    if layout.tp > 1 and spec.tp_dim is not None:
+        shape[spec.tp_dim] = chunk(shape[spec.tp_dim], layout.tp, tp_rank)
+    if layout.dp > 1:  # fully_shard is applied whenever there is data parallelism; it shards over dp_shard
+        shape[0] = chunk(shape[0], layout.dp_shard, shard)
+    return tuple(shape)
+
+
+def local_shapes(m: ModelConfig, layout: Layout, rank: int) -> dict[str, tuple[int, ...]]:
+    return {s.name: local_shape(s, layout, rank) for s in param_specs(m)}
+
+
+def local_param_count(m: ModelConfig, layout: Layout, rank: int = 0, part: str = "all") -> tuple[int, int]:
+    """(elements, tensors) of this rank's parameter shards; part = all | block (one block) | root. Every block
+    has the same shapes, so one block is counted and multiplied."""
+    specs = param_specs(m, layers=range(1))
+    block = [_numel(local_shape(s, layout, rank)) for s in specs if s.block == 0]
+    root = [_numel(local_shape(s, layout, rank)) for s in specs if s.block is None]
+    if part == "block":
+        return sum(block), len(block)
+    if part == "root":
+        return sum(root), len(root)
+    return m.n_layers * sum(block) + sum(root), m.n_layers * len(block) + len(root)
+
+
+# -- memory --------------------------------------------------------------------------------------------------------
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: bool, precision: str, fsdp: bool,
+                     ac: str, ac_every: int = 1) -> dict[str, int]:
+    """Bytes one microbatch of `tokens` keeps for backward on one rank, by part.
+
+    precision/fsdp choose the dtypes: fp32 keeps everything in fp32; bf16 with FSDP computes with bf16 parameters,
+    so the residual stream and every saved tensor are bf16; bf16 without FSDP runs under autocast: the residual
+    stream and norms stay fp32, each projection saves its own bf16 copy of its input, and the bf16 copies of the
+    weights are kept (autocast's cache) until backward.
+
+    Per layer and token (t = tp, s = tp with sequence parallelism else 1; r, a = residual and matmul dtype bytes):
+      LayerNorm: its input r*H/s and mean, rstd; RMSNorm (computed in fp32): x, x*rstd, rstd in fp32; twice;
+      attention input a*H (all-gathered under SP; under autocast one copy per projection: 3);
+      q, k, v after RoPE a*(nh + 2 nkv)*hd/t; attention output a*nh*hd/t (also the input of wo);
+      log-sum-exp 4*nh/t; MLP input a*H (autocast: 1 copy, or 2 for SwiGLU's gate and up);
+      GELU: its input and output a*2F/t; SwiGLU: gate, up, silu(gate), product a*4F/t.
+    Outside the layers: the token ids, the position ids (learned positions) or the RoPE tables, the final norm's
+    input and statistics, the LM head's input.
+    """
+    H, hd, F, L = m.d_model, m.head_dim, m.ffn_dim, m.n_layers
+    s = tp if sp and tp > 1 else 1
+    autocast = precision == "bf16" and not fsdp
+    a = 2 if precision == "bf16" else 4
+    r = 4 if (precision == "fp32" or autocast) else 2
+
+    def norm() -> float:  # input + statistics of one norm, per token
+        if m.norm == "layernorm":
+            return (r * H + 8) / s
+        return (8 * H + 4) / s  # RMSNorm (composite, computed in fp32) keeps fp32 x, x * rstd and rstd
+
+    nh, nkv = m.n_heads / tp, m.kv_heads / tp
+    attn_in = a * H * (3 if autocast else 1)
+    mlp_in = a * H * (2 if (autocast and m.mlp == "swiglu") else 1)
+    inner = a * (4 if m.mlp == "swiglu" else 2) * F / tp
+    layer = (2 * norm() + attn_in + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh + mlp_in + inner) * tokens
+    block_input = r * H / s * tokens
+    # Which layers keep all of the above, and what the checkpointed ones keep instead.
+    if ac == "full":
+        ckpt = len(range(0, L, ac_every))
+        kept_layers = (L - ckpt) * layer + ckpt * block_input
+        recompute = layer  # backward re-runs one checkpointed block at a time
+    elif ac == "selective":
+        kept_layers = L * (layer - 4 * nh * tokens)  # the core keeps its inputs; only the log-sum-exp goes
+        recompute = 4 * nh * tokens
+    else:
+        kept_layers, recompute = L * layer, 0
+    outside = 8 * tokens  # token ids
+    if m.position == "learned":
+        outside += 8 * seq_len  # position ids
+    elif not (ac == "full" and ac_every == 1):
+        outside += 2 * m.max_seq_len * hd // 2 * 4  # the cos/sin tables the RoPE multiplies save
+    outside += norm() * tokens + a * H * tokens  # final norm, LM head input
+    out = {"layers": int(kept_layers), "outside_layers": int(outside), "recompute_peak": int(recompute)}
+    if autocast:  # bf16 copies of the matmul weights (local TP shards), kept from forward to backward except in
+        # fully checkpointed blocks, which cast them again when they recompute
+        layer_w = sum(_numel(s_.shape) for s_ in param_specs(m, range(1)) if s_.block == 0 and len(s_.shape) == 2)
+        kept = L - (len(range(0, L, ac_every)) if ac == "full" else 0)
+        out["autocast_weight_copies"] = 2 * (kept * layer_w // tp + chunk(m.vocab_size, tp, 0) * H)
+    return out
+
+
+def logits_bytes(m: ModelConfig, tokens: int, tp: int, precision: str) -> int:
+    """The LM head's logits and the loss's fp32 log-softmax and its gradient, for one microbatch (vocab / tp)."""
+    a = 2 if precision == "bf16" else 4
+    return tokens * chunk(m.vocab_size, tp, 0) * (a + 8)
+
+
+def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
+    """Bytes per GPU of one rank, by part. Parameters are kept in fp32 (bf16 is a compute dtype), gradients in
+    fp32 with the parameters' local shapes, AdamW state = two fp32 tensors per parameter + a 4-byte step count."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    numel, n_tensors = local_param_count(m, layout, rank)
+    params = 4 * numel
+    fsdp = layout.dp > 1
+    bf16 = t.precision == "bf16"
+    micro = t.micro_batch_size or t.global_batch_size // layout.dp
+    tokens = micro * t.seq_len
+    acts = activation_bytes(m, tokens, t.seq_len, layout.tp, p.sequence_parallel, t.precision or "fp32", fsdp,
+                            t.activation_checkpointing, t.ac_every)
+    buffers = 0
+    if fsdp:
+        pb = 2 if bf16 else 4
+        tp_only = Layout(1, 1, layout.tp)
+        block, root = local_param_count(m, tp_only, rank, "block")[0], local_param_count(m, tp_only, rank, "root")[0]
+        held = m.n_layers if p.fsdp_strategy == "shard_grad_op" else min(m.n_layers, 1 + p.fsdp_prefetch)
+        # unsharded parameters of the blocks in flight and of the root (kept from forward to backward), one
+        # block's unsharded gradient, and its fp32 reduce-scatter input when computing in bf16
+        buffers = pb * (held * block + root) + pb * block + (4 * block if bf16 else 0)
+    out = {
+        "params_bytes_per_gpu": params,
+        "grads_bytes_per_gpu": params,
+        "optimizer_bytes_per_gpu": 2 * params + 4 * n_tensors,
+        "activations_bytes_per_gpu": sum(acts.values()),
+        "activations": acts,
+        "logits_bytes_per_gpu": logits_bytes(m, tokens, layout.tp, t.precision or "fp32"),
+        "fsdp_buffers_bytes_per_gpu": buffers,
+    }
+    on_gpu = ["activations_bytes_per_gpu", "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu"]
+    if not (fsdp and p.fsdp_cpu_offload):
+        on_gpu += ["params_bytes_per_gpu", "grads_bytes_per_gpu", "optimizer_bytes_per_gpu"]
+    out["total_bytes_per_gpu"] = sum(out[k] for k in on_gpu)
+    return out
+
+
+# -- time ----------------------------------------------------------------------------------------------------------
+
+def _ring(bytes_: float, n: int, gbps: float, all_reduce: bool = False) -> float:
+    """Seconds of a ring all-gather / reduce-scatter (or all-reduce = both) of `bytes_` (the full tensor) over n."""
+    if n <= 1:
+        return 0.0
+    return (2 if all_reduce else 1) * (n - 1) / n * bytes_ / (gbps * 1e9 * LINK_EFFICIENCY)
+
+
+def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict:
+    """Estimated seconds of one optimizer step, by part.
+
+    compute: model FLOPs (x 4/3 on fully checkpointed blocks for their recomputed forward) at MATMUL_EFFICIENCY
+      of the peak.
+    tp: per layer and microbatch, 2 all-reduces forward and 2 backward of the (tokens, H) activations (reduce-
+      scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2; over NVLink; not overlapped.
+    fsdp: all-gathers of the bf16 parameters (forward once, backward once per microbatch with full_shard), one
+      fp32 reduce-scatter of the gradients, and with HSDP an fp32 all-reduce of the gradient shards across
+      replicas; over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with
+      compute except the first block's all-gather and the last one's reduce-scatter.
+    optimizer: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM.
+    """
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    micro = t.micro_batch_size or t.global_batch_size // layout.dp
+    n_micro = t.global_batch_size // (micro * layout.dp)
+    tokens_rank = t.global_batch_size * t.seq_len / layout.dp  # tokens of this rank's TP group per step
+    fpt = flops_per_token(m, t.seq_len)
+    ckpt = len(range(0, m.n_layers, t.ac_every)) if t.activation_checkpointing == "full" else 0
+    layer_share = 1 - 6 * m.vocab_size * m.d_model / fpt  # FLOPs in the blocks, not the LM head
+    recompute = 1 + layer_share * ckpt / m.n_layers / 3
+    compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+    a = 2 if t.precision == "bf16" else 4
+    act = micro * t.seq_len * m.d_model * a
+    per_micro = (4 * m.n_layers + 2 * ckpt + 2) * _ring(act, layout.tp, gpu.nvlink_gbps, all_reduce=True)
+    tp_comm = n_micro * per_micro
+    fsdp = hsdp = 0.0
+    if layout.dp > 1:
+        params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
+        shard_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
+        gathers = 1 + (n_micro if p.fsdp_strategy != "shard_grad_op" else 0)
+        fsdp = (gathers * _ring(params_tp * (2 if t.precision == "bf16" else 4), layout.dp_shard, shard_bw)
+                + _ring(params_tp * 4, layout.dp_shard, shard_bw))
+        rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
+        hsdp = _ring(params_tp * 4 / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
+    exposed = max(0.0, fsdp + hsdp - compute) + 2 * fsdp / (gathers + 1) / m.n_layers if layout.dp > 1 else 0.0
+    params_local = local_param_count(m, layout)[0]
+    optimizer = 28 * params_local / (gpu.hbm_gbps * 1e9)
+    total = compute + tp_comm + exposed + optimizer
+    return {"step_time_s": total, "compute_s": compute, "tp_comm_s": tp_comm, "fsdp_comm_s": fsdp + hsdp,
+            "fsdp_exposed_s": exposed, "optimizer_s": optimizer,
+            "tokens_per_sec": t.global_batch_size * t.seq_len / total,
+            "mfu": fpt * t.global_batch_size * t.seq_len / total / layout.world / (gpu.peak_tflops * 1e12)}
+
+
+# -- search --------------------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
+    """Every layout of `world` GPUs the config's model and batch allow: tp within a node, dp_replicate across
+    node groups (HSDP), each micro-batch size that divides the per-rank batch, each activation-checkpointing mode."""
+    import copy
+
+    from hybridpar.parallel import check_layout
+
+    nodes = max(1, world // gpus_per_node)
+    for tp in _divisors(min(world, gpus_per_node)):
+        dp = world // tp
+        for rep in [r for r in _divisors(dp) if r <= nodes]:
+            for micro in _divisors(cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0):
+                for ac in ("none", "selective", "full"):
+                    c = copy.deepcopy(cfg)
+                    c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
+                    c.parallel.fsdp_strategy = "hybrid_shard" if rep > 1 else "full_shard"
+                    c.train.micro_batch_size, c.train.activation_checkpointing, c.train.ac_every = micro, ac, 1
+                    try:
+                        check_layout(c, (rep, dp // rep, tp), gpus_per_node)
+                    except ValueError:
+                        continue
+                    yield c
+
+
+def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int = 10) -> list[dict]:
+    """The layouts that fit in memory, fastest first."""
+    usable = (gpu.memory_gib - RESERVED_GIB) * GIB
+    rows = []
+    for c in candidate_layouts(cfg, world, gpus_per_node):
+        layout = Layout(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp)
+        mem = memory(c, layout)
+        if mem["total_bytes_per_gpu"] > usable:
+            continue
+        est = step_time(c, layout, gpu, gpus_per_node)
+        rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,
+                     "activation_checkpointing": c.train.activation_checkpointing,
+                     "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
+    rows.sort(key=lambda r: -r["tokens_per_sec"])
+    return rows[:top]
