@@ -268,8 +268,8 @@ def _ring(bytes_: float, n: int, gbps: float, all_reduce: bool = False) -> float
 def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict:
     """Estimated seconds of one optimizer step, by part.
 
-    compute: model FLOPs (x 4/3 on fully checkpointed blocks for their recomputed forward) at MATMUL_EFFICIENCY
-      of the peak.
+    compute: model FLOPs, plus the recomputed forward (a third of a fully checkpointed block's FLOPs, or of the
+      attention core's under selective checkpointing), at MATMUL_EFFICIENCY of the peak.
     tp: per layer and microbatch, 2 all-reduces forward and 2 backward of the (tokens, H) activations (reduce-
       scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2; over NVLink; not overlapped.
     fsdp: all-gathers of the bf16 parameters (forward once, backward once per microbatch with full_shard), one
@@ -286,6 +286,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     ckpt = len(range(0, m.n_layers, t.ac_every)) if t.activation_checkpointing == "full" else 0
     layer_share = 1 - 6 * m.vocab_size * m.d_model / fpt  # FLOPs in the blocks, not the LM head
     recompute = 1 + layer_share * ckpt / m.n_layers / 3
+    if t.activation_checkpointing == "selective":  # the attention core's forward again: a third of its FLOPs
+        recompute += 2 * m.n_layers * t.seq_len * m.n_heads * m.head_dim / fpt
     compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
     a = 2 if t.precision == "bf16" else 4
     act = micro * t.seq_len * m.d_model * a
@@ -318,7 +320,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
     """Every layout of `world` GPUs the config's model and batch allow: tp within a node, dp_replicate across
-    node groups (HSDP), each micro-batch size that divides the per-rank batch, each activation-checkpointing mode."""
+    node groups (HSDP), each micro-batch size that divides the per-rank batch, each activation-checkpointing mode,
+    parameters resharded after forward or kept until backward (shard_grad_op)."""
     import copy
 
     from hybridpar.parallel import check_layout
@@ -329,19 +332,23 @@ def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[C
         for rep in [r for r in _divisors(dp) if r <= nodes]:
             for micro in _divisors(cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0):
                 for ac in ("none", "selective", "full"):
-                    c = copy.deepcopy(cfg)
-                    c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
-                    c.parallel.fsdp_strategy = "hybrid_shard" if rep > 1 else "full_shard"
-                    c.train.micro_batch_size, c.train.activation_checkpointing, c.train.ac_every = micro, ac, 1
-                    try:
-                        check_layout(c, (rep, dp // rep, tp), gpus_per_node)
-                    except ValueError:
-                        continue
-                    yield c
+                    for keep in (False, True):
+                        c = copy.deepcopy(cfg)
+                        c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
+                        c.parallel.fsdp_strategy = ("shard_grad_op" if keep else
+                                                    "hybrid_shard" if rep > 1 else "full_shard")
+                        c.train.micro_batch_size, c.train.activation_checkpointing, c.train.ac_every = micro, ac, 1
+                        try:
+                            check_layout(c, (rep, dp // rep, tp), gpus_per_node)
+                        except ValueError:
+                            continue
+                        yield c
 
 
 def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int = 10) -> list[dict]:
-    """The layouts that fit in memory, fastest first."""
+    """The `top` layouts that fit in memory, fastest first."""
+    if top <= 0:
+        return []
     usable = (gpu.memory_gib - RESERVED_GIB) * GIB
     rows = []
     for c in candidate_layouts(cfg, world, gpus_per_node):
@@ -351,6 +358,7 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
             continue
         est = step_time(c, layout, gpu, gpus_per_node)
         rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,
+                     "fsdp_strategy": c.parallel.fsdp_strategy,
                      "activation_checkpointing": c.train.activation_checkpointing,
                      "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
     rows.sort(key=lambda r: -r["tokens_per_sec"])

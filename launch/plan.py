@@ -1,0 +1,122 @@
+"""Plan a run: per-GPU memory by part, an estimated step time, and the layouts that fit, ranked by tokens/s.
+
+    python launch/plan.py --model.name gpt3-175b --cluster.nodes 128 --cluster.gpus_per_node 8 \\
+        --parallel.tp 8 --parallel.dp_replicate 2 --parallel.fsdp_strategy hybrid_shard \\
+        --train.global_batch_size 1536 --train.seq_len 2048 --train.micro_batch_size 1 --cluster.gpu h100
+    python launch/plan.py --model.name gpt3-1.3b --cluster.gpus_per_node 1 --dry-run --json
+
+Every other argument is a training config override (the layout to report is the config's parallel section; the
+world is cluster.nodes x cluster.gpus_per_node). --dry-run also builds the real model on the meta device under a
+fake process group of that world size and applies the real parallelize function for --rank's coordinates, then
+checks that its parameter, gradient and optimizer bytes equal the planner's. Nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybridpar.config_cli import ConfigError, load_config
+from hybridpar.distributed import MESH_AXES, resolve_degrees
+from hybridpar.parallel import check_layout
+from hybridpar.plan import GIB, GPUS, RESERVED_GIB, Layout, memory, rank_layouts, step_time
+
+
+def parse(argv: list[str]):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cluster.nodes", dest="nodes", type=int, default=1)
+    p.add_argument("--cluster.gpus_per_node", dest="gpus_per_node", type=int, default=8)
+    p.add_argument("--cluster.gpu", dest="gpu", default="h100", help=f"one of {', '.join(GPUS)}")
+    p.add_argument("--rank", type=int, default=0, help="the rank whose shards are reported (0 holds the largest)")
+    p.add_argument("--top", type=int, default=10, help="how many ranked layouts to list")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    a, rest = p.parse_known_args(argv)
+    if a.gpu not in GPUS:
+        raise ConfigError(f"--cluster.gpu {a.gpu!r} is not known; use one of {', '.join(GPUS)}")
+    if a.nodes < 1 or a.gpus_per_node < 1:
+        raise ConfigError(f"--cluster.nodes {a.nodes} --cluster.gpus_per_node {a.gpus_per_node}: both must be >= 1")
+    world = a.nodes * a.gpus_per_node
+    if not 0 <= a.rank < world:
+        raise ConfigError(f"--rank {a.rank} is outside the world of {world} GPUs; pick 0 <= rank < {world}")
+    cfg = load_config(rest)
+    if cfg.train.precision is None:
+        cfg.train.precision = "bf16"  # what the trainer picks on these GPUs
+    degrees = resolve_degrees(cfg.parallel, world)
+    check_layout(cfg, degrees, a.gpus_per_node)
+    return a, cfg, Layout(*degrees)
+
+
+def report(a, cfg, layout: Layout) -> dict:
+    gpu = GPUS[a.gpu]
+    mem = memory(cfg, layout, a.rank)
+    est = step_time(cfg, layout, gpu, a.gpus_per_node)
+    usable = int((gpu.memory_gib - RESERVED_GIB) * GIB)
+    out = {"model": cfg.model.name, "gpu": a.gpu, "nodes": a.nodes, "gpus_per_node": a.gpus_per_node,
+           "world_size": layout.world, "rank": a.rank, "layout": dict(zip(MESH_AXES, (layout.dp_replicate,
+                                                                                     layout.dp_shard, layout.tp))),
+           "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
+           "seq_len": cfg.train.seq_len, "precision": cfg.train.precision,
+           "activation_checkpointing": cfg.train.activation_checkpointing, "fsdp_strategy": cfg.parallel.fsdp_strategy,
+           **mem, "usable_bytes_per_gpu": usable, "fits": mem["total_bytes_per_gpu"] <= usable, **est}
+    out["ranked"], out["top"] = rank_layouts(cfg, layout.world, a.gpus_per_node, gpu, a.top), a.top
+    return out
+
+
+def print_report(out: dict) -> None:
+    g = lambda b: f"{b / GIB:9.2f} GiB"  # noqa: E731
+    lay = out["layout"]
+    print(f"{out['model']} on {out['nodes']} x {out['gpus_per_node']} {out['gpu']} | dp_replicate "
+          f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']} | batch {out['global_batch_size']} "
+          f"x {out['seq_len']}, micro {out['micro_batch_size']}, {out['precision']}, AC {out['activation_checkpointing']}")
+    print(f"memory of rank {out['rank']}:")
+    for key in ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "total"):
+        print(f"  {key:<13}{g(out[key + '_bytes_per_gpu'])}")
+    print(f"  usable       {g(out['usable_bytes_per_gpu'])}  -> {'fits' if out['fits'] else 'DOES NOT FIT'}")
+    print(f"step time (estimate) {out['step_time_s']:.3f} s = compute {out['compute_s']:.3f} + TP "
+          f"{out['tp_comm_s']:.3f} + exposed FSDP {out['fsdp_exposed_s']:.3f} (of {out['fsdp_comm_s']:.3f}) + "
+          f"optimizer {out['optimizer_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}")
+    if "dry_run_params_bytes" in out:
+        print(f"dry run (rank {out['rank']}, coords {out['dry_run_coords']}, {out['dry_run_seconds']:.1f} s): "
+              f"params {g(out['dry_run_params_bytes'])}, grads {g(out['dry_run_grads_bytes'])}, optimizer "
+              f"{g(out['dry_run_optimizer_bytes'])} -> {'equal to the plan' if out['dry_run_matches'] else 'DIFFERS'}")
+    if out["ranked"]:
+        print(f"layouts that fit, fastest first (of this world, batch and model):")
+        print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'micro':>5} {'AC':>9} {'FSDP':>13} {'GiB':>7} {'step s':>8} "
+              f"{'tokens/s':>11} {'MFU':>5}")
+        for r in out["ranked"]:
+            print(f"  {r['dp_replicate']:>6} {r['dp_shard']:>8} {r['tp']:>3} {r['micro_batch_size']:>5} "
+                  f"{r['activation_checkpointing']:>9} {r['fsdp_strategy']:>13} {r['total_gib']:>7.1f} {r['step_time_s']:>8.3f} "
+                  f"{r['tokens_per_sec']:>11,.0f} {r['mfu']:>5.0%}")
+    elif out["top"] > 0:
+        print("no layout of this world, batch and model fits in memory: add GPUs, or use a smaller model")
+
+
+def main(argv: list[str]) -> int:
+    try:
+        a, cfg, layout = parse(argv)
+        cfg.check_world(layout.dp)
+        out = report(a, cfg, layout)
+        if a.dry_run:
+            from hybridpar.dry_run import dry_run
+
+            d = dry_run(cfg, layout.world, a.rank, a.gpus_per_node)
+            out.update({k: d[k] for k in ("dry_run_params_bytes", "dry_run_grads_bytes", "dry_run_optimizer_bytes",
+                                          "dry_run_seconds")}, dry_run_coords=d["coords"],
+                       dry_run_local_shapes=d["local_shapes"])
+            out["dry_run_matches"] = (d["dry_run_params_bytes"] == out["params_bytes_per_gpu"]
+                                      and d["dry_run_grads_bytes"] == out["grads_bytes_per_gpu"]
+                                      and d["dry_run_optimizer_bytes"] == out["optimizer_bytes_per_gpu"])
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print_report(out)
+    return 0 if not a.dry_run or out["dry_run_matches"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

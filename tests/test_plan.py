@@ -1,0 +1,139 @@
+"""The planner against the real thing: parameter/gradient/optimizer bytes against a dry run of the real
+parallelize function under a fake process group (exact), activation bytes against what autograd really saves on
+the CPU (exact up to LayerNorm statistics' dtype), and its refusals of layouts that don't divide."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from hybridpar.config_cli import load_config
+from hybridpar.dry_run import saved_activation_bytes
+from hybridpar.models import build_model
+from hybridpar.parallel import apply_activation_checkpointing
+from hybridpar.plan import GIB, Layout, activation_bytes, chunk, local_shapes, memory
+
+_spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "plan.py")
+plan_cli = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_cli)
+
+# (model, nodes, gpus per node, layout overrides, rank): 8, 64 and 1,024 ranks; first and last ranks, where the
+# ceil-sized chunks leave the last ones short (gpt3-13b's 6288-row vocabulary shard over 128 dp ranks gives the
+# last rank nothing).
+DRY_RUNS = [
+    ("tiny", 1, 8, ["--parallel.tp", "2", "--parallel.dp_replicate", "2", "--parallel.fsdp_strategy",
+                    "hybrid_shard"], 5),
+    ("gpt-modern-1b", 8, 8, ["--parallel.tp", "8"], 63),
+    ("gpt2-1.5b", 8, 8, ["--parallel.tp", "1"], 17),
+    ("gpt3-13b", 128, 8, ["--parallel.tp", "8"], 1023),
+    ("gpt3-175b", 128, 8, ["--parallel.tp", "8", "--parallel.dp_replicate", "2", "--parallel.fsdp_strategy",
+                           "hybrid_shard"], 0),
+]
+
+
+@pytest.mark.parametrize("model,nodes,gpn,layout,rank", DRY_RUNS, ids=[f"{d[0]}-{d[1] * d[2]}" for d in DRY_RUNS])
+def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank):
+    args = ["launch/plan.py", "--model.name", model, "--cluster.nodes", str(nodes), "--cluster.gpus_per_node",
+            str(gpn), "--train.global_batch_size", str(2 * nodes * gpn), "--rank", str(rank), "--top", "0",
+            "--dry-run", "--json", *layout]
+    out = run_cli(args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["world_size"] == nodes * gpn and r["rank"] == rank
+    assert r["dry_run_params_bytes"] == r["params_bytes_per_gpu"] > 0
+    assert r["dry_run_grads_bytes"] == r["grads_bytes_per_gpu"]
+    assert r["dry_run_optimizer_bytes"] == r["optimizer_bytes_per_gpu"]
+    assert r["dry_run_matches"] is True
+    # Tensor by tensor, not just in total.
+    cfg = load_config(["--model.name", model])
+    lay = r["layout"]
+    planned = local_shapes(cfg.model, Layout(lay["dp_replicate"], lay["dp_shard"], lay["tp"]), rank)
+    assert {k: list(v) for k, v in planned.items()} == r["dry_run_local_shapes"]
+
+
+def test_uneven_shards_are_torch_chunks():
+    for n in (1, 7, 50304, 6288):
+        for parts in (1, 3, 8, 128):
+            assert [chunk(n, parts, i) for i in range(parts)] == [
+                len(c) for c in torch.arange(n).chunk(parts)] + [0] * (parts - len(torch.arange(n).chunk(parts)))
+
+
+MODERN_TINY = ["--model.norm", "rmsnorm", "--model.position", "rope", "--model.mlp", "swiglu", "--model.n_kv_heads",
+               "2", "--model.bias", "false", "--model.tie_embeddings", "false"]
+
+
+@pytest.mark.parametrize("family", ["gpt", "modern"])
+@pytest.mark.parametrize("precision", ["fp32", "autocast", "bf16"])
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_activation_bytes_equal_what_autograd_saves(family, precision, ac):
+    """bf16 here is FSDP's mixed precision: bf16 parameters, no autocast. Exact, except that the CPU's LayerNorm
+    keeps bf16 statistics where CUDA's (and the planner's) are fp32."""
+    cfg = load_config(["--model.name", "tiny"] + (MODERN_TINY if family == "modern" else []))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device="cpu")
+    apply_activation_checkpointing(model, ac)
+    if precision == "bf16":
+        for p in model.parameters():
+            p.data = p.data.bfloat16()
+    batch, seq = 2, 128
+    measured = saved_activation_bytes(model, torch.randint(0, 4096, (batch, seq)), autocast=precision == "autocast")
+    est = activation_bytes(cfg.model, batch * seq, seq, tp=1, sp=False, precision="fp32" if precision == "fp32"
+                           else "bf16", fsdp=precision == "bf16", ac=ac)
+    kept = est["layers"] + est["outside_layers"] + est.get("autocast_weight_copies", 0)
+    if precision == "bf16" and family == "gpt":
+        norms = (cfg.model.n_layers * 2 if ac == "none" else 0) + 1  # full: only the final norm is outside
+        kept -= norms * batch * seq * 4  # mean and rstd: 2 x 2 bytes on this CPU, 2 x 4 on CUDA
+    assert kept == measured
+
+
+def test_memory_parts_move_the_right_way():
+    cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
+                       "--train.micro_batch_size", "8", "--train.precision", "bf16"])
+    one = memory(cfg, Layout(1, 8, 1))
+    cfg.train.activation_checkpointing = "full"
+    full = memory(cfg, Layout(1, 8, 1))
+    assert full["activations_bytes_per_gpu"] < one["activations_bytes_per_gpu"] / 4
+    assert full["params_bytes_per_gpu"] == one["params_bytes_per_gpu"]
+    # fp32 master weights: 1.3B x 4 bytes / 8 ranks, AdamW twice that.
+    assert abs(one["params_bytes_per_gpu"] * 8 / 4 - 1.316e9) < 0.01e9
+    assert one["optimizer_bytes_per_gpu"] > 2 * one["params_bytes_per_gpu"]
+    tp2 = memory(cfg, Layout(1, 4, 2))
+    assert tp2["params_bytes_per_gpu"] == pytest.approx(full["params_bytes_per_gpu"], rel=0.01)
+
+
+def test_plan_json_and_ranked_layouts():
+    out = run_cli(["launch/plan.py", "--model.name", "gpt3-6.7b", "--cluster.nodes", "2", "--cluster.gpu", "h100",
+                   "--train.seq_len", "2048", "--train.global_batch_size", "128", "--json"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    for key in ("params_bytes_per_gpu", "grads_bytes_per_gpu", "optimizer_bytes_per_gpu", "activations_bytes_per_gpu",
+                "total_bytes_per_gpu", "step_time_s", "tokens_per_sec"):
+        assert r[key] > 0, key
+    assert r["layout"] == {"dp_replicate": 1, "dp_shard": 16, "tp": 1}
+    assert r["total_bytes_per_gpu"] == sum(r[k] for k in ("params_bytes_per_gpu", "grads_bytes_per_gpu",
+                                                            "optimizer_bytes_per_gpu", "activations_bytes_per_gpu",
+                                                            "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu"))
+    ranked = r["ranked"]
+    assert ranked and all(x["total_gib"] * GIB <= r["usable_bytes_per_gpu"] for x in ranked)
+    assert [x["tokens_per_sec"] for x in ranked] == sorted((x["tokens_per_sec"] for x in ranked), reverse=True)
+    assert all(x["dp_replicate"] * x["dp_shard"] * x["tp"] == 16 and x["tp"] <= 8 for x in ranked)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel.tp", "3"], "world size 16 is not divisible by the fixed degrees"),
+    (["--parallel.tp", "16"], "parallel.tp=16 exceeds the 8 GPUs of a node"),
+    (["--parallel.dp_shard", "3"], "multiply to 3, but the world has 16 processes"),
+    (["--model.n_heads", "32", "--model.n_kv_heads", "4", "--parallel.tp", "8"], "parallel.tp=8 must divide model.n_kv_heads=4"),
+    (["--train.global_batch_size", "100"], "train.global_batch_size=100 is not divisible by the data-parallel size 16"),
+    (["--cluster.gpu", "x100"], "--cluster.gpu 'x100' is not known"),
+])
+def test_plan_rejects_layouts_that_do_not_divide(args, message, capsys):
+    rc = plan_cli.main(["--model.name", "gpt3-1.3b", "--cluster.nodes", "2", *args])
+    out = capsys.readouterr()
+    assert rc == 2 and out.out == ""
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.err
