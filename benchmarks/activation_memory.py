@@ -1,8 +1,8 @@
-"""Activation memory kept for backward under each activation-checkpointing mode, measured.
+"""Activation memory kept for backward under each activation-checkpointing mode: measured, and as the planner
+(hybridpar.plan) predicts it.
 
-Counts the bytes autograd saves during one forward (saved-tensor hooks; a checkpointed region saves nothing but
-its inputs, which the hooks do not see as saved tensors, so this is what the mode keeps alive beyond the block
-inputs). Runs on the CPU; the figures are per microbatch and do not depend on the device.
+Counts the bytes autograd saves during one forward (saved-tensor hooks, each storage once, parameters excluded;
+a checkpointed block shows up as the input it keeps). Runs on the CPU; the figures are per microbatch.
 
     python benchmarks/activation_memory.py --model gpt2-124m --batch 1 --seq-len 1024
 """
@@ -13,28 +13,10 @@ import argparse
 
 import torch
 
+from hybridpar.dry_run import saved_activation_bytes
 from hybridpar.models import build_model, get_model_config
 from hybridpar.parallel import apply_activation_checkpointing
-
-
-def saved_bytes(model_name: str, mode: str, every: int, batch: int, seq_len: int) -> tuple[int, int]:
-    """(bytes saved for backward, bytes of the block inputs a checkpointed block keeps)."""
-    torch.manual_seed(0)
-    model = build_model(get_model_config(model_name, dropout=0.0), device="cpu")
-    apply_activation_checkpointing(model, mode, every)
-    x = torch.randint(0, model.cfg.vocab_size, (batch, seq_len))
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    n_ckpt_blocks = sum(1 for i in range(model.cfg.n_layers) if mode == "full" and i % every == 0)
-    block_inputs = n_ckpt_blocks * batch * seq_len * model.cfg.d_model * 4
-    return total, block_inputs
+from hybridpar.plan import activation_bytes
 
 
 def main() -> None:
@@ -42,15 +24,26 @@ def main() -> None:
     p.add_argument("--model", default="gpt2-124m")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--autocast", action="store_true", help="bf16 autocast (else fp32)")
     a = p.parse_args()
-    print(f"{a.model}, batch {a.batch} x {a.seq_len} tokens, fp32, CPU (SDPA picks its fused attention kernel)")
-    print(f"{'mode':<14} {'saved MiB':>10} {'+ block inputs MiB':>19} {'vs none':>8}")
+    cfg = get_model_config(a.model, dropout=0.0)
+    print(f"{a.model}, batch {a.batch} x {a.seq_len} tokens, {'bf16 autocast' if a.autocast else 'fp32'}, CPU "
+          f"(SDPA picks its fused attention kernel)")
+    print(f"{'mode':<16} {'measured MiB':>12} {'planner MiB':>12} {'vs none':>8}")
     base = None
     for mode, every in (("none", 1), ("selective", 1), ("full", 2), ("full", 1)):
-        saved, inputs = saved_bytes(a.model, mode, every, a.batch, a.seq_len)
+        torch.manual_seed(0)
+        model = build_model(cfg, device="cpu")
+        apply_activation_checkpointing(model, mode, every)
+        x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len))
+        saved = saved_activation_bytes(model, x, autocast=a.autocast)
+        est = activation_bytes(cfg, a.batch * a.seq_len, a.seq_len, 1, False, "bf16" if a.autocast else "fp32",
+                               False, mode, every)
+        planned = est["layers"] + est["outside_layers"] + est.get("autocast_weight_copies", 0)
         base = base or saved
         label = mode if mode != "full" else f"full/every {every}"
-        print(f"{label:<14} {saved / 2**20:>10.1f} {inputs / 2**20:>19.1f} {(saved + inputs) / base:>8.2f}")
+        print(f"{label:<16} {saved / 2**20:>12.1f} {planned / 2**20:>12.1f} {saved / base:>8.2f}")
+        del model
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def print_report(out: dict) -> None:
               f"params {g(out['dry_run_params_bytes'])}, grads {g(out['dry_run_grads_bytes'])}, optimizer "
               f"{g(out['dry_run_optimizer_bytes'])} -> {'equal to the plan' if out['dry_run_matches'] else 'DIFFERS'}")
     if out["ranked"]:
-        print(f"layouts that fit, fastest first (of this world, batch and model):")
+        print("layouts that fit, fastest first (of this world, batch and model):")
         print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'micro':>5} {'AC':>9} {'FSDP':>13} {'GiB':>7} {'step s':>8} "
               f"{'tokens/s':>11} {'MFU':>5}")
         for r in out["ranked"]:
