@@ -20,6 +20,7 @@ from typing import Iterator
 from hybridpar.config import Config
 from hybridpar.flops import flops_per_token
 from hybridpar.models import ModelConfig
+from hybridpar.parallel import uses_fsdp
 
 GIB = 2 ** 30
 
@@ -125,7 +126,7 @@ def local_shape(spec: ParamSpec, layout: Layout, rank: int) -> tuple[int, ...]:
     shape = list(spec.shape)
     if layout.tp > 1 and spec.tp_dim is not None:
         shape[spec.tp_dim] = chunk(shape[spec.tp_dim], layout.tp, tp_rank)
-    if layout.dp > 1:  # fully_shard is applied whenever there is data parallelism; it shards over dp_shard
+    if layout.dp > 1:  # fully_shard shards over dp_shard (on a 1x1 mesh, for bf16, it shards nothing)
         shape[0] = chunk(shape[0], layout.dp_shard, shard)
     return tuple(shape)
 
@@ -157,8 +158,9 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
                      ac: str, ac_every: int = 1) -> dict[str, int]:
     """Bytes one microbatch of `tokens` keeps for backward on one rank, by part.
 
-    precision/fsdp choose the dtypes: fp32 keeps everything in fp32; bf16 with FSDP computes with bf16 parameters,
-    so the residual stream and every saved tensor are bf16; bf16 without FSDP runs under autocast: the residual
+    precision/fsdp choose the dtypes: fp32 keeps everything in fp32; bf16 with FSDP (hybridpar's bf16 on any mesh)
+    computes with bf16 parameters, so the residual stream and every saved tensor are bf16; bf16 under autocast
+    (a custom parallelize function without FSDP): the residual
     stream and norms stay fp32, each projection saves its own bf16 copy of its input, and the bf16 copies of the
     weights are kept (autocast's cache) until backward.
 
@@ -225,7 +227,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     numel, n_tensors = local_param_count(m, layout, rank)
     params = 4 * numel
-    fsdp = layout.dp > 1
+    fsdp = uses_fsdp(cfg, layout.dp)
     bf16 = t.precision == "bf16"
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
     tokens = micro * t.seq_len
@@ -332,7 +334,7 @@ def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[C
         for rep in [r for r in _divisors(dp) if r <= nodes]:
             for micro in _divisors(cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0):
                 for ac in ("none", "selective", "full"):
-                    for keep in (False, True):
+                    for keep in ((False, True) if dp // rep > 1 else (False,)):
                         c = copy.deepcopy(cfg)
                         c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
                         c.parallel.fsdp_strategy = ("shard_grad_op" if keep else
@@ -358,8 +360,10 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
             continue
         est = step_time(c, layout, gpu, gpus_per_node)
         rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,
-                     "fsdp_strategy": c.parallel.fsdp_strategy,
+                     "fsdp_strategy": c.parallel.fsdp_strategy if uses_fsdp(c, layout) else "-",
                      "activation_checkpointing": c.train.activation_checkpointing,
                      "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
-    rows.sort(key=lambda r: -r["tokens_per_sec"])
+    # Equal estimates (the model has no per-microbatch overhead): the larger micro-batch first, since real
+    # kernels run closer to peak on bigger matrices, then the smaller memory.
+    rows.sort(key=lambda r: (-round(r["tokens_per_sec"], 6), -r["micro_batch_size"], r["total_gib"]))
     return rows[:top]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from hybridpar.config import Config
 from hybridpar.data.dataset import build_training_data
@@ -89,7 +90,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = parallelize(build_model(cfg.model, device=device), mesh, cfg)
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        fsdp = self.dp_size > 1  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
+        fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
                          if cfg.train.precision == "bf16" and not fsdp else nullcontext)
         self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum

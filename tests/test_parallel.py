@@ -133,3 +133,38 @@ def test_world_from_torchrun_and_slurm_env():
                         "SLURM_NTASKS_PER_NODE": "4(x2)"})
     assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == (5, 8, 1, 4)
     assert world_from_env({}).world_size == 1
+
+
+def test_bf16_one_process_and_two_run_the_same_numerics(tmp_path, cache_dir):
+    """bf16 is FSDP2's mixed precision on every mesh, 1x1 included (bf16 compute, fp32 master weights and
+    gradient reduction), so one process and two data-parallel ranks differ only by the order of fp32 sums."""
+    small = ["--model.n_layers", "2", "--model.d_model", "64", "--model.n_heads", "2", "--train.precision", "bf16",
+             "--train.steps", "4", "--checkpoint.interval", "0", "--train.sample_tokens", "0"]
+    one, stdout = _train(tmp_path, cache_dir, "one", 1, small)
+    assert "(bf16)" in stdout
+    two, _ = _train(tmp_path, cache_dir, "two", 2, small)
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 2e-3 * abs(b), (one, two)  # bf16 rounding of slightly different fp32 weights
+
+
+def test_bf16_wraps_a_single_device_model_in_fsdp():
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from hybridpar.distributed import MESH_AXES
+    from hybridpar.models import build_model
+    from hybridpar.parallel import parallelize_gpt
+
+    cfg = load_config(["--train.precision", "bf16", "--model.n_layers", "1"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=MESH_AXES)
+        model = parallelize_gpt(build_model(cfg.model, device="cpu"), mesh, cfg)
+        assert isinstance(model, FSDPModule)
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights
+        out = model(torch.zeros(1, 8, dtype=torch.long))
+        assert out.dtype == torch.bfloat16  # compute
+    finally:
+        dist.destroy_process_group()

@@ -39,6 +39,14 @@ def check_layout(cfg: Config, degrees: tuple[int, int, int], gpus_per_node: int 
     cfg.check_world(dp_replicate * dp_shard)
 
 
+def uses_fsdp(cfg: Config, dp: int) -> bool:
+    """fully_shard wraps the model when there is data parallelism, and for bf16 on any mesh (1x1 included): its
+    MixedPrecisionPolicy gives bf16 compute with fp32 master weights and fp32 gradient reduction, so one GPU and
+    many run the same numerics (autocast would keep an fp32 residual stream, save one bf16 copy of a norm's output
+    per projection and cache bf16 copies of every weight until backward)."""
+    return dp > 1 or cfg.train.precision == "bf16"
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, preserve_rng: bool = False) -> None:
     """none: keep every activation. full: recompute whole blocks 0, every, 2*every, ... in backward (a block keeps
     only its input). selective: recompute only each block's attention core (RoPE + softmax attention), keeping the
@@ -65,6 +73,6 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
     if cfg.train.compile:
         for block in model.layers:
             block.compile()
-    if dp > 1:
+    if uses_fsdp(cfg, dp):
         apply_fsdp(model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16")
     return model
