@@ -360,7 +360,7 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
             continue
         est = step_time(c, layout, gpu, gpus_per_node)
         rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,
-                     "fsdp_strategy": c.parallel.fsdp_strategy if uses_fsdp(c, layout) else "-",
+                     "fsdp_strategy": c.parallel.fsdp_strategy if uses_fsdp(c, layout.dp) else "-",
                      "activation_checkpointing": c.train.activation_checkpointing,
                      "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
     # Equal estimates (the model has no per-microbatch overhead): the larger micro-batch first, since real
