@@ -66,6 +66,9 @@ class TrainConfig:
         "compute), selective = only each block's attention core (RoPE + softmax attention, cheap to recompute)")
     ac_every: int = doc(1, "full activation checkpointing: checkpoint blocks 0, k, 2k, ... (1 = every block)")
     compile: bool = doc(False, "torch.compile each transformer block")
+    loss_chunk_tokens: int = doc(4096, "with tp = 1: LM head + cross entropy fused, in chunks of this many tokens, so "
+                                       "the [tokens, vocab] logits never exist at once; 0 = plain logits then loss "
+                                       "(tp > 1 always uses the vocab-parallel loss)")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables clipping")
     max_skipped_steps: int = doc(5, "optimizer steps with a non-finite gradient norm are skipped; more than this "
                                     "many in a row stop the run")
@@ -79,6 +82,8 @@ class TrainConfig:
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ValueError(f"train.activation_checkpointing={self.activation_checkpointing!r}: use none, full "
                              f"or selective")
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"train.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = plain logits)")
         if self.max_skipped_steps < 0:
             raise ValueError(f"train.max_skipped_steps={self.max_skipped_steps} must be >= 0")
         _positive("train", steps=self.steps, micro_batch_size=self.micro_batch_size, ac_every=self.ac_every,

@@ -69,9 +69,10 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0, gpus_per_node: int | No
     return out
 
 
-def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, autocast: bool = False) -> int:
-    """Bytes autograd keeps for backward in one forward of a real (non-meta) model, each storage once, parameters
-    excluded. Checkpointed regions show only what they save outside themselves (their inputs are not counted)."""
+def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, autocast: bool = False,
+                           targets: torch.Tensor | None = None) -> int:
+    """Bytes autograd keeps for backward in one forward of a real (non-meta) model (with targets: through the
+    fused loss), each storage once, parameters excluded. A checkpointed block shows up as the input it keeps."""
     from contextlib import nullcontext
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -85,5 +86,5 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
 
     ctx = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        model(input_ids)
+        model(input_ids) if targets is None else model(input_ids, targets=targets)
     return sum(seen.values())

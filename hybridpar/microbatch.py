@@ -28,6 +28,17 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
+def logits_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The plain path: the model's logits, then token_loss_sum (under loss_parallel for vocab-sharded logits)."""
+    return token_loss_sum(model(x), y)
+
+
+def chunked_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+    """The model computes the summed loss itself, LM head and cross entropy fused in chunks of tokens (no
+    [tokens, vocab] logits); for unsharded vocabularies (tp = 1)."""
+    return model(x, targets=y, loss_chunk_tokens=chunk_tokens)
+
+
 def count_target_tokens(microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     return sum(int((y != IGNORE_INDEX).sum()) for _, y in microbatches)
 
@@ -37,7 +48,7 @@ def forward_backward_no_pipelining(
     microbatches: list[tuple[torch.Tensor, torch.Tensor]],
     num_global_tokens: int,
     device: torch.device,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+    forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = logits_loss,
     grad_scale: float = 1.0,
     autocast=nullcontext,
     loss_context=nullcontext,
@@ -49,10 +60,10 @@ def forward_backward_no_pipelining(
         microbatches: this rank's (inputs, targets) pairs, each (b, T), on any device.
         num_global_tokens: target tokens of the whole global batch, all ranks together.
         device: where to move each microbatch.
-        loss_fn: (logits, targets) -> summed token loss.
+        forward_loss: (model, inputs, targets) -> summed token loss: logits_loss or chunked_loss.
         grad_scale: multiplies the backward loss; a data-parallel wrapper that averages gradients over dp ranks
             passes dp_size here so the average becomes the sum the global mean needs.
-        autocast: a context-manager factory for mixed precision (around the forward).
+        autocast: a context-manager factory for mixed precision (around the forward and the loss).
         loss_context: a context-manager factory around loss and backward (tensor parallelism's loss_parallel).
     Returns:
         This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
@@ -68,8 +79,7 @@ def forward_backward_no_pipelining(
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with loss_context():
             with autocast():
-                logits = model(x)
-            loss = loss_fn(logits, y) / num_global_tokens
+                loss = forward_loss(model, x, y) / num_global_tokens
             (loss * grad_scale).backward()
         loss = loss.detach()
         total += loss.to_local() if hasattr(loss, "to_local") else loss  # a replicated DTensor under loss_parallel

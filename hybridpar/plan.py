@@ -155,7 +155,7 @@ def _numel(shape) -> int:
 
 
 def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: bool, precision: str, fsdp: bool,
-                     ac: str, ac_every: int = 1) -> dict[str, int]:
+                     ac: str, ac_every: int = 1, fused_loss: bool = False) -> dict[str, int]:
     """Bytes one microbatch of `tokens` keeps for backward on one rank, by part.
 
     precision/fsdp choose the dtypes: fp32 keeps everything in fp32; bf16 with FSDP (hybridpar's bf16 on any mesh)
@@ -171,7 +171,7 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
       log-sum-exp 4*nh/t; MLP input a*H (autocast: 1 copy, or 2 for SwiGLU's gate and up);
       GELU: its input and output a*2F/t; SwiGLU: gate, up, silu(gate), product a*4F/t.
     Outside the layers: the token ids, the position ids (learned positions) or the RoPE tables, the final norm's
-    input and statistics, the LM head's input.
+    input and statistics, the LM head's input (not with the fused loss, which keeps gradients instead).
     """
     H, hd, F, L = m.d_model, m.head_dim, m.ffn_dim, m.n_layers
     s = tp if sp and tp > 1 else 1
@@ -205,7 +205,9 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
         outside += 8 * seq_len  # position ids
     elif not (ac == "full" and ac_every == 1):
         outside += 2 * m.max_seq_len * hd // 2 * 4  # the cos/sin tables the RoPE multiplies save
-    outside += norm() * tokens + a * H * tokens  # final norm, LM head input
+    outside += norm() * tokens  # final norm
+    if not fused_loss:
+        outside += a * H * tokens  # the LM head's input (the fused loss keeps gradients instead: logits_bytes)
     out = {"layers": int(kept_layers), "outside_layers": int(outside), "recompute_peak": int(recompute)}
     if autocast:  # bf16 copies of the matmul weights (local TP shards), kept from forward to backward except in
         # fully checkpointed blocks, which cast them again when they recompute
@@ -215,9 +217,18 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
     return out
 
 
-def logits_bytes(m: ModelConfig, tokens: int, tp: int, precision: str) -> int:
-    """The LM head's logits and the loss's fp32 log-softmax and its gradient, for one microbatch (vocab / tp)."""
+def logits_bytes(m: ModelConfig, tokens: int, tp: int, precision: str, chunk_tokens: int = 0) -> int:
+    """Peak bytes of the LM head + loss for one microbatch.
+
+    Plain path (chunk_tokens 0, or tp > 1 with the vocab-parallel loss; vocab / tp per rank): the logits in the
+    compute dtype, the loss's fp32 log-softmax and its gradient. Fused path (hybridpar's linear_cross_entropy,
+    tp = 1): one chunk's fp32 logits and their compute-dtype gradient, the fp32 accumulator of the weight gradient
+    and its compute-dtype copy, and the input gradient it keeps for backward.
+    """
     a = 2 if precision == "bf16" else 4
+    if chunk_tokens and tp == 1:
+        V, H = m.vocab_size, m.d_model
+        return min(chunk_tokens, tokens) * V * (4 + a) + V * H * (4 + a) + tokens * H * a
     return tokens * chunk(m.vocab_size, tp, 0) * (a + 8)
 
 
@@ -231,8 +242,9 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     bf16 = t.precision == "bf16"
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
     tokens = micro * t.seq_len
+    fused = bool(t.loss_chunk_tokens) and layout.tp == 1
     acts = activation_bytes(m, tokens, t.seq_len, layout.tp, p.sequence_parallel, t.precision or "fp32", fsdp,
-                            t.activation_checkpointing, t.ac_every)
+                            t.activation_checkpointing, t.ac_every, fused)
     buffers = 0
     if fsdp:
         pb = 2 if bf16 else 4
@@ -248,7 +260,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
         "optimizer_bytes_per_gpu": 2 * params + 4 * n_tensors,
         "activations_bytes_per_gpu": sum(acts.values()),
         "activations": acts,
-        "logits_bytes_per_gpu": logits_bytes(m, tokens, layout.tp, t.precision or "fp32"),
+        "logits_bytes_per_gpu": logits_bytes(m, tokens, layout.tp, t.precision or "fp32", t.loss_chunk_tokens),
         "fsdp_buffers_bytes_per_gpu": buffers,
     }
     on_gpu = ["activations_bytes_per_gpu", "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu"]

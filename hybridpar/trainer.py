@@ -28,7 +28,8 @@ from hybridpar.flops import flops_per_token, peak_tflops
 from hybridpar.distributed import dp_rank_size
 from hybridpar.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger
-from hybridpar.microbatch import IGNORE_INDEX, count_target_tokens, forward_backward_no_pipelining, token_loss_sum
+from hybridpar.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens, forward_backward_no_pipelining,
+                                  logits_loss)
 from hybridpar.models import build_model, count_params
 from hybridpar.optim import build_optimizer, clip_grad_norm
 from hybridpar.parallel import check_layout, parallelize_gpt
@@ -96,9 +97,11 @@ class Trainer:
         self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum
         if self.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
-            self.loss_context = loss_parallel
+            self.loss_context, self.forward_loss = loss_parallel, logits_loss
         else:
             self.loss_context = nullcontext
+            self.forward_loss = (partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if t.loss_chunk_tokens
+                                 else logits_loss)
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # the data position: samples of all ranks consumed so far
         self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
@@ -130,7 +133,7 @@ class Trainer:
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(torch.tensor(float(count_target_tokens(microbatches)), device=self.device))
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
-                                              loss_fn=token_loss_sum, grad_scale=self.grad_scale,
+                                              forward_loss=self.forward_loss, grad_scale=self.grad_scale,
                                               autocast=self.autocast, loss_context=self.loss_context)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip)
         # One small sync per step: the norm (already global) and the stop votes of all ranks, read together.
@@ -160,10 +163,8 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
         for x, y in self.data.valid:
-            with self.loss_context():
-                with self.autocast():
-                    logits = self.model(x.to(self.device))
-                loss = token_loss_sum(logits, y.to(self.device))
+            with self.loss_context(), self.autocast():
+                loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))
             total[0] += loss.to_local() if hasattr(loss, "to_local") else loss
             total[1] += (y != IGNORE_INDEX).sum()
         self.model.train()

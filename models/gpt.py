@@ -40,6 +40,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross entropy of h @ weight.T against targets, chunk by chunk over the tokens. The gradients of h and
+    weight are made in the same pass (d loss / d logits = softmax - one-hot), so backward only scales them, and no
+    [tokens, V] tensor outlives its chunk. Same FLOPs as the plain path: one matmul forward, two backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk_tokens: int, ignore_index: int):
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        for start in range(0, h.shape[0], chunk_tokens):
+            hc, yc = h[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+            logits = (hc @ weight.t()).float()  # (c, V): the only vocabulary-wide tensor, one chunk at a time
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = yc != ignore_index
+            y = torch.where(valid, yc, 0)
+            loss += ((lse - logits.gather(1, y[:, None]).squeeze(1)) * valid).sum()
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+            g[torch.arange(len(y), device=y.device), y] -= 1.0  # d loss / d logits = softmax - one-hot
+            g = (g * valid[:, None]).to(h.dtype)
+            grad_h[start:start + chunk_tokens] = g @ weight
+            grad_w += (g.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 4096,
+                         ignore_index: int = -100) -> torch.Tensor:
+    """sum over tokens of cross_entropy(h @ weight.T, targets) in fp32, ignore_index targets counting zero, without
+    materialising the logits: h (..., H), weight (V, H), targets (...). Logits are rounded to h's dtype before the
+    fp32 softmax, as the plain path's bf16 logits are."""
+    h, targets = h.flatten(0, -2), targets.flatten()
+    if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(h, weight, targets, chunk_tokens, ignore_index)
+    return sum(F.cross_entropy((h[s:s + chunk_tokens] @ weight.t()).float(), targets[s:s + chunk_tokens],
+                               ignore_index=ignore_index, reduction="sum")
+               for s in range(0, h.shape[0], chunk_tokens))
+
+
 class AttentionCore(nn.Module):
     """The parameter-free middle of attention: RoPE, then causal softmax(QK^T/sqrt(hd))V.
 
@@ -157,8 +201,10 @@ class GPT(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids (B, T) int64 -> logits (B, T, V)."""
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 4096) -> torch.Tensor:
+        """input_ids (B, T) int64 -> logits (B, T, V); with targets (B, T): the summed token cross entropy instead,
+        computed by linear_cross_entropy in chunks of loss_chunk_tokens (targets of -100 count zero)."""
         T = input_ids.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
@@ -169,4 +215,7 @@ class GPT(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
         for layer in self.layers:
             h = layer(h, rope)
-        return self.lm_head(self.norm(h))  # (B, T, V)
+        h = self.norm(h)
+        if targets is not None:
+            return linear_cross_entropy(h, self.lm_head.weight, targets, loss_chunk_tokens)
+        return self.lm_head(h)  # (B, T, V)

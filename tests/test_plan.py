@@ -137,3 +137,28 @@ def test_plan_rejects_layouts_that_do_not_divide(args, message, capsys):
     assert rc == 2 and out.out == ""
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.err
+
+
+@pytest.mark.parametrize("family", ["gpt", "modern"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_loss_keeps_what_the_planner_says(family, precision):
+    """Through the fused LM head + loss, what autograd keeps is the model's activations less the LM head's input,
+    plus the input and weight gradients the loss made in forward; no [tokens, vocab] tensor."""
+    cfg = load_config(["--model.name", "tiny"] + (MODERN_TINY if family == "modern" else []))
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device="cpu")
+    if precision == "bf16":
+        for p in model.parameters():
+            p.data = p.data.bfloat16()
+    batch, seq = 2, 128
+    x, y = torch.randint(0, 4096, (batch, seq)), torch.randint(0, 4096, (batch, seq))
+    measured = saved_activation_bytes(model, x, targets=y)
+    est = activation_bytes(cfg.model, batch * seq, seq, tp=1, sp=False, precision=precision, fsdp=precision == "bf16",
+                           ac="none", fused_loss=True)
+    a = 2 if precision == "bf16" else 4
+    kept = est["layers"] + est["outside_layers"] + batch * seq * cfg.model.d_model * a + cfg.model.vocab_size * cfg.model.d_model * a
+    if precision == "bf16" and family == "gpt":
+        kept -= (cfg.model.n_layers * 2 + 1) * batch * seq * 4  # LayerNorm statistics: bf16 on this CPU
+    assert kept == measured
+    plain = saved_activation_bytes(model, x)  # the model's logits path, before any loss
+    assert measured < plain + batch * seq * cfg.model.vocab_size * 4  # below the fp32 log-softmax alone

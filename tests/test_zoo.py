@@ -136,3 +136,41 @@ def test_models_package_has_no_distributed_import_and_installs_under_hybridpar(t
             "m.__name__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.stdout.split() == ["True", "True", "hybridpar.models"], out.stderr
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_loss_equals_logits_then_cross_entropy(tied):
+    """GPT(x, targets) computes the summed loss in token chunks with the gradients made in the same pass: the same
+    loss and gradients as logits -> cross_entropy (fp32 here, so to rounding), ignored targets counting zero."""
+    from hybridpar.microbatch import token_loss_sum
+
+    torch.manual_seed(0)
+    model = build_model(get_model_config("tiny", n_layers=2, tie_embeddings=tied), device="cpu")
+    x = torch.randint(0, 4096, (3, 40))
+    y = torch.randint(0, 4096, (3, 40))
+    y[0, :7] = -100
+    plain = token_loss_sum(model(x), y)
+    (plain * 0.5).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fused = model(x, targets=y, loss_chunk_tokens=17)  # 120 tokens: 7 full chunks and a short one
+    (fused * 0.5).backward()
+    assert abs(float(fused) - float(plain)) <= 1e-6 * float(plain)
+    for n, p in model.named_parameters():
+        if n.endswith("attn.wk.bias"):  # its true gradient is exactly 0 (softmax ignores it): rounding noise only
+            assert float(p.grad.abs().max()) < 1e-6
+            continue
+        err = float((p.grad - want[n]).norm() / want[n].norm().clamp_min(1e-12))
+        assert err < 1e-5, (n, err)
+    with torch.no_grad():  # evaluation: the loss only
+        assert abs(float(model(x, targets=y, loss_chunk_tokens=17)) - float(plain)) <= 1e-6 * float(plain)
+
+
+def test_fused_loss_in_bf16_is_the_plain_path_rounded_alike():
+    torch.manual_seed(0)
+    model = build_model(get_model_config("tiny", n_layers=1), device="cpu").to(torch.bfloat16)
+    x, y = torch.randint(0, 4096, (2, 64)), torch.randint(0, 4096, (2, 64))
+    plain = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), reduction="sum")
+    fused = model(x, targets=y, loss_chunk_tokens=50)
+    assert fused.dtype == torch.float32
+    assert abs(float(fused) - float(plain)) <= 1e-5 * float(plain)  # same bf16 logits, fp32 softmax
