@@ -44,6 +44,16 @@ def main() -> None:
         label = mode if mode != "full" else f"full/every {every}"
         print(f"{label:<16} {saved / 2**20:>12.1f} {planned / 2**20:>12.1f} {saved / base:>8.2f}")
         del model
+    # The loss: plain logits + fp32 cross entropy against the fused, chunked LM head + loss (train.loss_chunk_tokens).
+    torch.manual_seed(0)
+    model = build_model(cfg, device="cpu")
+    x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len))
+    y = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len))
+    body = saved_activation_bytes(model, x, autocast=a.autocast)
+    for loss in ("plain", "fused"):
+        with_loss = saved_activation_bytes(model, x, autocast=a.autocast, targets=y, loss=loss)
+        print(f"loss {loss:<11} {with_loss / 2**20:>12.1f} MiB with the loss ({(with_loss - body) / 2**20:+.1f} MiB "
+              f"over the model's own activations)")
 
 
 if __name__ == "__main__":

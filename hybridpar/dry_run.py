@@ -70,9 +70,12 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0, gpus_per_node: int | No
 
 
 def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, autocast: bool = False,
-                           targets: torch.Tensor | None = None) -> int:
-    """Bytes autograd keeps for backward in one forward of a real (non-meta) model (with targets: through the
-    fused loss), each storage once, parameters excluded. A checkpointed block shows up as the input it keeps."""
+                           targets: torch.Tensor | None = None, loss: str = "fused") -> int:
+    """Bytes autograd keeps for backward in one forward of a real (non-meta) model, each storage once, parameters
+    excluded; with targets, through the loss: `fused` (the model's chunked LM head + loss) or `plain` (logits,
+    then hybridpar's token_loss_sum). A checkpointed block shows up as the input it keeps."""
+    from hybridpar.microbatch import chunked_loss, logits_loss
+
     from contextlib import nullcontext
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -86,5 +89,8 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
 
     ctx = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        model(input_ids) if targets is None else model(input_ids, targets=targets)
+        if targets is None:
+            model(input_ids)
+        else:
+            (chunked_loss if loss == "fused" else logits_loss)(model, input_ids, targets)
     return sum(seen.values())
