@@ -67,17 +67,16 @@ def reference(tmp_path_factory, cache_dir):
     return losses, _final_weights(root / "ref")
 
 
-# (dp_replicate, dp_shard, tp) -> processes
 # (dp_replicate, dp_shard, tp) -> processes, and switches that change where and when things are computed or stored
 # but never the numbers: sequence parallelism off, activation checkpointing, FSDP prefetch depth, CPU offload and
-# the strategy. Each rides along with one layout, which still has to give the single-process result.
+# the strategy. Each rides along with one layout, which still has to give the single-process result. (2, 1, 2),
+# replicas across nodes with TP inside, runs as a real 2-node SLURM job in tests/test_slurm.py.
 LAYOUTS = [
     ((1, 4, 1), 4, ["--train.activation_checkpointing", "full", "--parallel.fsdp_prefetch", "2"]),
     ((1, 2, 2), 4, []),
     ((1, 1, 4), 4, []),
     ((2, 2, 1), 4, ["--train.activation_checkpointing", "selective", "--parallel.fsdp_cpu_offload", "true",
                     "--parallel.fsdp_strategy", "shard_grad_op"]),
-    ((2, 1, 2), 4, []),
     ((1, 1, 2), 2, ["--parallel.sequence_parallel", "false"]),
 ]
 

@@ -36,13 +36,14 @@ DRY_RUNS = [
 
 
 @pytest.mark.parametrize("model,nodes,gpn,layout,rank", DRY_RUNS, ids=[f"{d[0]}-{d[1] * d[2]}" for d in DRY_RUNS])
-def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank):
-    args = ["launch/plan.py", "--model.name", model, "--cluster.nodes", str(nodes), "--cluster.gpus_per_node",
-            str(gpn), "--train.global_batch_size", str(2 * nodes * gpn), "--rank", str(rank), "--top", "0",
-            "--dry-run", "--json", *layout]
-    out = run_cli(args)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout)
+def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank, capsys):
+    """In this process: the dry run starts its fake process group and destroys it again."""
+    rc = plan_cli.main(["--model.name", model, "--cluster.nodes", str(nodes), "--cluster.gpus_per_node", str(gpn),
+                        "--train.global_batch_size", str(2 * nodes * gpn), "--rank", str(rank), "--top", "0",
+                        "--dry-run", "--json", *layout])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    r = json.loads(out.out)
     assert r["world_size"] == nodes * gpn and r["rank"] == rank
     assert r["dry_run_params_bytes"] == r["params_bytes_per_gpu"] > 0
     assert r["dry_run_grads_bytes"] == r["grads_bytes_per_gpu"]

@@ -74,15 +74,16 @@ def reference(tmp_path_factory, cache_dir):
     return _losses(run_dir)
 
 
-def test_sbatch_two_nodes_tp2_dp2_matches_one_process(slurm, reference, tmp_path, cache_dir):
+def test_sbatch_two_nodes_hsdp_tp2_matches_one_process(slurm, reference, tmp_path, cache_dir):
+    """The layout multi-node jobs use: TP inside a node, data-parallel replicas across nodes (2, 1, 2)."""
     run_dir = tmp_path / "run"
     t0 = time.time()
     jid = _submit(tmp_path, "hp-2node", [*ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir),
-                                          "--parallel.tp", "2", "--parallel.dp_shard", "2"])
+                                          "--parallel.tp", "2", "--parallel.dp_replicate", "2"])
     job = _wait(jid, lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
     stdout = (tmp_path / f"hp-2node-{jid}.out").read_text()
     assert job["JobState"] == "COMPLETED", stdout[-3000:] + (tmp_path / f"hp-2node-{jid}.err").read_text()[-3000:]
-    assert "4 rank(s) on 2 host(s)" in stdout
+    assert "4 rank(s) on 2 host(s)" in stdout and "'dp_replicate': 2, 'dp_shard': 1, 'tp': 2" in stdout
     got = _losses(run_dir)
     assert sorted(got) == sorted(reference)
     for step, want in reference.items():
