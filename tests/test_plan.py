@@ -163,3 +163,43 @@ def test_fused_loss_keeps_what_the_planner_says(family, precision):
     assert kept == measured
     plain = saved_activation_bytes(model, x)  # the model's logits path, before any loss
     assert measured < plain + batch * seq * cfg.model.vocab_size * 4  # below the fp32 log-softmax alone
+
+
+def _tp_worker(rank: int, world: int, init_file: str, results) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridpar.distributed import MESH_AXES
+    from hybridpar.parallel import parallelize_gpt
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=MESH_AXES)
+        out = {}
+        for family in ("gpt", "modern"):
+            for sp in (True, False):
+                cfg = load_config(["--model.name", "tiny", "--train.precision", "fp32", "--parallel.sequence_parallel",
+                                   str(sp)] + (MODERN_TINY if family == "modern" else []))
+                torch.manual_seed(0)
+                model = parallelize_gpt(build_model(cfg.model, device="cpu"), mesh, cfg)
+                x = torch.randint(0, 4096, (2, 128))
+                out[family, sp] = saved_activation_bytes(model, x)
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp_activation_bytes_equal_what_each_rank_saves(tmp_path):
+    """Under tensor (and sequence) parallelism on 2 real gloo ranks: each rank's saved bytes against the planner.
+    The DTensor plan keeps the all-gathered input of each column-parallel projection (full sequence), the rest
+    is split by tp (heads, FFN width) or, with SP, by the sequence."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_tp_worker, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
+    for family in ("gpt", "modern"):
+        cfg = load_config(["--model.name", "tiny"] + (MODERN_TINY if family == "modern" else []))
+        for sp in (True, False):
+            est = activation_bytes(cfg.model, 2 * 128, 128, tp=2, sp=sp, precision="fp32", fsdp=False, ac="none")
+            want = est["layers"] + est["outside_layers"]
+            assert [results[r][family, sp] for r in range(2)] == [want, want], (family, sp, want)
