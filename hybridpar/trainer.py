@@ -1,7 +1,8 @@
 """The trainer: one loop for every layout. It takes a device mesh and a parallelize function; the data loader
 takes the data-parallel rank and size; hooks receive the trainer after each step (checkpointing, extra logging).
 
-Host syncs: the step itself never calls .item(); losses and gradient norms stay on the device until a log step.
+Host syncs: one small read per step (the gradient norm with the ranks' stop votes, which decide the non-finite skip
+and a signal stop); losses stay on the device until a log step.
 """
 
 from __future__ import annotations
