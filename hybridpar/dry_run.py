@@ -21,7 +21,9 @@ from hybridpar.parallel import check_layout
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+    """The plain tensor holding t's memory on this rank: a DTensor's local shard, an async collective's result."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.trigger_wait() if hasattr(t, "trigger_wait") else t
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -78,7 +80,7 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
 
     from contextlib import nullcontext
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,11 @@ training process group's), then read them: data.cache_dir must be shared by all 
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import logging
 import math
+import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -72,10 +75,45 @@ class _TokenizerView:
                                    "vocab_size": self.vocab_size}
 
 
+def _defer_megatron_core_init() -> None:
+    """megatron.core's package __init__ imports its whole model stack (about 5 s of every process's start-up on the
+    development machine); the data layer needs only megatron.core.datasets. Register megatron.core unexecuted, with
+    a module __getattr__ that runs the real __init__ the first time anything asks it for a name that is not an
+    already imported submodule, so other code that uses megatron.core in the same process still gets all of it."""
+    if "megatron.core" in sys.modules:
+        return
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or spec.loader is None or not spec.submodule_search_locations:
+        return
+    pkg = importlib.util.module_from_spec(spec)
+
+    def __getattr__(name: str):
+        sub = sys.modules.get(f"megatron.core.{name}")
+        if sub is not None:
+            return sub
+        if name.startswith("__") or importlib.machinery.PathFinder.find_spec(name, pkg.__path__) is not None:
+            raise AttributeError(name)  # a submodule not imported yet: the import system imports it next
+        del pkg.__getattr__  # once: from here on it is the ordinary package
+        spec.loader.exec_module(pkg)
+        return getattr(pkg, name)
+
+    pkg.__getattr__ = __getattr__
+    import megatron
+
+    sys.modules["megatron.core"] = pkg
+    megatron.core = pkg
+    try:
+        import megatron.core.parallel_state  # noqa: F401  (first, as __init__ does: it and utils import each other)
+    except Exception:
+        del sys.modules["megatron.core"]  # another megatron-core layout: import it the ordinary way
+        del megatron.core
+
+
 def _megatron():
     """Import megatron-core's dataset classes quietly (it warns about optional NVIDIA packages on import)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        _defer_megatron_core_init()
         from megatron.core.datasets.blended_dataset import BlendedDataset
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
         from megatron.core.datasets.indexed_dataset import IndexedDataset
