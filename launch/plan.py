@@ -24,7 +24,9 @@ from hybridpar.plan import GIB, GPUS, RESERVED_GIB, Layout, memory, rank_layouts
 
 
 def parse(argv: list[str]):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="Every other --section.field VALUE (and --config FILE) is a training config "
+                                       "override; python launch/pretrain_gpt.py --help lists them.")
     p.add_argument("--cluster.nodes", dest="nodes", type=int, default=1)
     p.add_argument("--cluster.gpus_per_node", dest="gpus_per_node", type=int, default=8)
     p.add_argument("--cluster.gpu", dest="gpu", default="h100", help=f"one of {', '.join(GPUS)}")
