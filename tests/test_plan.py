@@ -120,7 +120,7 @@ def test_plan_json_and_ranked_layouts():
                                                             "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu"))
     ranked = r["ranked"]
     assert ranked and all(x["total_gib"] * GIB <= r["usable_bytes_per_gpu"] for x in ranked)
-    assert [x["tokens_per_sec"] for x in ranked] == sorted((x["tokens_per_sec"] for x in ranked), reverse=True)
+    assert all(a["tokens_per_sec"] >= b["tokens_per_sec"] - 1e-6 for a, b in zip(ranked, ranked[1:]))
     assert all(x["dp_replicate"] * x["dp_shard"] * x["tp"] == 16 and x["tp"] <= 8 for x in ranked)
 
 
