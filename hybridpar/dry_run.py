@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -77,8 +78,6 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
     excluded; with targets, through the loss: `fused` (the model's chunked LM head + loss) or `plain` (logits,
     then hybridpar's token_loss_sum). A checkpointed block shows up as the input it keeps."""
     from hybridpar.microbatch import chunked_loss, logits_loss
-
-    from contextlib import nullcontext
 
     params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}

@@ -3,7 +3,7 @@
 Every byte count here is computed from shapes: the same arithmetic that TP (DTensor Shard placements) and FSDP2
 (dim-0 chunks of the TP-local tensor) apply, so the parameter, gradient and optimizer bytes must equal what the
 real parallelize function produces (`hybridpar.dry_run` checks that, under a fake process group). Activations
-follow the saved tensors of hybridpar's GPT block with fused (flash) attention; docs/performance.md writes out the
+follow the saved tensors of hybridpar's GPT block with fused (flash) attention; docs/planning.md writes out the
 per-layer terms and how they were checked. The step time is an estimate from FLOPs and link bandwidths, with its
 assumptions listed in GPUS and step_time().
 
@@ -33,6 +33,11 @@ class GPU:
     hbm_gbps: float
     nvlink_gbps: float
     internode_gbps: float
+
+    @property
+    def usable_bytes(self) -> int:
+        """What a run may allocate: the memory less RESERVED_GIB."""
+        return int((self.memory_gib - RESERVED_GIB) * GIB)
 
 
 # Datasheet figures (NVIDIA H100/H200/A100/B200 datasheets; DGX/HGX reference designs with one 400 Gb/s NIC per GPU
@@ -154,6 +159,11 @@ def _numel(shape) -> int:
     return math.prod(shape)
 
 
+def _compute_bytes(precision: str | None) -> int:
+    """Bytes per element of the compute dtype (bf16 or fp32)."""
+    return 2 if precision == "bf16" else 4
+
+
 def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: bool, precision: str, fsdp: bool,
                      ac: str, ac_every: int = 1, fused_loss: bool = False) -> dict[str, int]:
     """Bytes one microbatch of `tokens` keeps for backward on one rank, by part.
@@ -176,7 +186,7 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
     H, hd, F, L = m.d_model, m.head_dim, m.ffn_dim, m.n_layers
     s = tp if sp and tp > 1 else 1
     autocast = precision == "bf16" and not fsdp
-    a = 2 if precision == "bf16" else 4
+    a = _compute_bytes(precision)
     r = 4 if (precision == "fp32" or autocast) else 2
 
     def norm() -> float:  # input + statistics of one norm, per token
@@ -225,7 +235,7 @@ def logits_bytes(m: ModelConfig, tokens: int, tp: int, precision: str, chunk_tok
     tp = 1): one chunk's fp32 logits and their compute-dtype gradient, the fp32 accumulator of the weight gradient
     and its compute-dtype copy, and the input gradient it keeps for backward.
     """
-    a = 2 if precision == "bf16" else 4
+    a = _compute_bytes(precision)
     if chunk_tokens and tp == 1:
         V, H = m.vocab_size, m.d_model
         return min(chunk_tokens, tokens) * V * (4 + a) + V * H * (4 + a) + tokens * H * a
@@ -247,7 +257,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
                             t.activation_checkpointing, t.ac_every, fused)
     buffers = 0
     if fsdp:
-        pb = 2 if bf16 else 4
+        pb = _compute_bytes(t.precision)
         tp_only = Layout(1, 1, layout.tp)
         block, root = local_param_count(m, tp_only, rank, "block")[0], local_param_count(m, tp_only, rank, "root")[0]
         held = m.n_layers if p.fsdp_strategy == "shard_grad_op" else min(m.n_layers, 1 + p.fsdp_prefetch)
@@ -303,20 +313,20 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     if t.activation_checkpointing == "selective":  # the attention core's forward again: a third of its FLOPs
         recompute += 2 * m.n_layers * t.seq_len * m.n_heads * m.head_dim / fpt
     compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
-    a = 2 if t.precision == "bf16" else 4
+    a = _compute_bytes(t.precision)
     act = micro * t.seq_len * m.d_model * a
     per_micro = (4 * m.n_layers + 2 * ckpt + 2) * _ring(act, layout.tp, gpu.nvlink_gbps, all_reduce=True)
     tp_comm = n_micro * per_micro
-    fsdp = hsdp = 0.0
+    fsdp = hsdp = exposed = 0.0
     if layout.dp > 1:
         params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
         shard_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
         gathers = 1 + (n_micro if p.fsdp_strategy != "shard_grad_op" else 0)
-        fsdp = (gathers * _ring(params_tp * (2 if t.precision == "bf16" else 4), layout.dp_shard, shard_bw)
+        fsdp = (gathers * _ring(params_tp * a, layout.dp_shard, shard_bw)
                 + _ring(params_tp * 4, layout.dp_shard, shard_bw))
         rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
         hsdp = _ring(params_tp * 4 / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
-    exposed = max(0.0, fsdp + hsdp - compute) + 2 * fsdp / (gathers + 1) / m.n_layers if layout.dp > 1 else 0.0
+        exposed = max(0.0, fsdp + hsdp - compute) + 2 * fsdp / (gathers + 1) / m.n_layers
     params_local = local_param_count(m, layout)[0]
     optimizer = 28 * params_local / (gpu.hbm_gbps * 1e9)
     total = compute + tp_comm + exposed + optimizer
@@ -343,8 +353,10 @@ def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[C
     nodes = max(1, world // gpus_per_node)
     for tp in _divisors(min(world, gpus_per_node)):
         dp = world // tp
+        if cfg.train.global_batch_size % dp:
+            continue
         for rep in [r for r in _divisors(dp) if r <= nodes]:
-            for micro in _divisors(cfg.train.global_batch_size // dp if cfg.train.global_batch_size % dp == 0 else 0):
+            for micro in _divisors(cfg.train.global_batch_size // dp):
                 for ac in ("none", "selective", "full"):
                     for keep in ((False, True) if dp // rep > 1 else (False,)):
                         c = copy.deepcopy(cfg)
@@ -363,12 +375,11 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
     """The `top` layouts that fit in memory, fastest first."""
     if top <= 0:
         return []
-    usable = (gpu.memory_gib - RESERVED_GIB) * GIB
     rows = []
     for c in candidate_layouts(cfg, world, gpus_per_node):
         layout = Layout(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp)
         mem = memory(c, layout)
-        if mem["total_bytes_per_gpu"] > usable:
+        if mem["total_bytes_per_gpu"] > gpu.usable_bytes:
             continue
         est = step_time(c, layout, gpu, gpus_per_node)
         rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,

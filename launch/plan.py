@@ -20,7 +20,7 @@ import sys
 from hybridpar.config_cli import ConfigError, load_config
 from hybridpar.distributed import MESH_AXES, resolve_degrees
 from hybridpar.parallel import check_layout
-from hybridpar.plan import GIB, GPUS, RESERVED_GIB, Layout, memory, rank_layouts, step_time
+from hybridpar.plan import GIB, GPUS, Layout, memory, rank_layouts, step_time
 
 
 def parse(argv: list[str]):
@@ -54,7 +54,7 @@ def report(a, cfg, layout: Layout) -> dict:
     gpu = GPUS[a.gpu]
     mem = memory(cfg, layout, a.rank)
     est = step_time(cfg, layout, gpu, a.gpus_per_node)
-    usable = int((gpu.memory_gib - RESERVED_GIB) * GIB)
+    usable = gpu.usable_bytes
     out = {"model": cfg.model.name, "gpu": a.gpu, "nodes": a.nodes, "gpus_per_node": a.gpus_per_node,
            "world_size": layout.world, "rank": a.rank, "layout": dict(zip(MESH_AXES, (layout.dp_replicate,
                                                                                      layout.dp_shard, layout.tp))),
