@@ -77,9 +77,8 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> dict:
         start = marks.mark()
         trainer.train_step(s)
         step_marks.append((start, marks.mark()))
-    times = [marks.seconds(a, b) for a, b in step_marks]
-    split = {"data": trainer._data_seconds, "optimizer": sum(marks.seconds(a, b) for a, b in opt_marks)}
-    timed = times[warmup:]
+    timed = [marks.seconds(a, b) for a, b in step_marks[warmup:]]
+    data_s, optimizer_s = trainer._data_seconds, sum(marks.seconds(a, b) for a, b in opt_marks)
     step_time = statistics.median(timed)
     t = cfg.train
     tps = t.global_batch_size * t.seq_len / step_time
@@ -91,8 +90,8 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> dict:
         "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / n, "step_time_s": step_time,
         "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "split": {"data_s": split["data"] / steps, "optimizer_s": split["optimizer"] / steps,
-                  "forward_backward_s": (total - split["data"] - split["optimizer"]) / steps},
+        "split": {"data_s": data_s / steps, "optimizer_s": optimizer_s / steps,
+                  "forward_backward_s": (total - data_s - optimizer_s) / steps},
         "world_size": n, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     trainer.data.close()
