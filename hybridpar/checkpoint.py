@@ -9,11 +9,13 @@ Layout of a run directory:
     <run.dir>/checkpoints/step_00000200/
         .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": {step, consumed_samples, skipped}}
         config.yaml, tokenizer.*        what sampling or resuming needs besides tensors
-        run_state.json                  the W&B run id, so a resumed run logs into the same W&B run
+        run_state.json                  the W&B run id (a resumed run logs into the same W&B run) and the
+                                        tokenizer's fingerprint (a resume with other data is refused)
         COMPLETE                        written by rank 0 after every rank finished: only then does it count
 
-Only tensors are stored (no pickled Python objects in the state); DCP's .metadata file is a pickle, read here by a
-restricted unpickler (SafeReader) that accepts only DCP's own metadata classes. A checkpoint is used only once COMPLETE
+Only tensors and the optimizer's plain hyper-parameters are stored; nothing read back can run code (see
+hybridpar/safe_load.py: an explicit allow-list for DCP's .metadata pickle, weights-only unpickling for byte entries,
+shard names and lengths checked before any read). A checkpoint is used only once COMPLETE
 exists, so a save cut off at any instant leaves the previous checkpoint the latest one. Older checkpoints are
 deleted only after a newer one is complete. RNG: the trainer re-seeds from (seed, step, rank) at every step, so
 there is no generator state to carry and a resume draws exactly the random numbers the uninterrupted run drew.
@@ -21,8 +23,9 @@ there is no generator state to carry and a resume draws exactly the random numbe
 
 from __future__ import annotations
 
+import errno
 import json
-import pickle
+import os
 import shutil
 import time
 from pathlib import Path
@@ -30,52 +33,41 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+
+from hybridpar.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader, read_metadata,
+                                 unwrap_checkpoint_exception)
 
 STEP_PREFIX = "step_"
 MARKER = "COMPLETE"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as asked; the message names it and the fix."""
+def _exceptions_in(e: BaseException) -> list[BaseException]:
+    """`e` and, for DCP's CheckpointException, each rank's exception inside it (with their causes)."""
+    found, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        found.append(x)
+        for failure in getattr(x, "failures", {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        if x.__cause__ is not None:
+            todo.append(x.__cause__)
+    return found
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's .metadata allowing only the plain data classes it is made of: a crafted file cannot run
-    code (the tensor files themselves are read with torch.load(weights_only=True) by DCP)."""
-
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
-               ("pathlib", "PureWindowsPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
-
-    def find_class(self, module: str, name: str):
-        ok = ((module, name) in self.ALLOWED or module == "torch.distributed.checkpoint.metadata"
-              or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)))
-        if not ok:
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not part of DCP's "
-                                         f"metadata: refusing to load it")
-        return super().find_class(module, name)
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata read by _MetadataUnpickler instead of pickle.load."""
-
-    def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except pickle.UnpicklingError as e:
-                raise CheckpointError(f"{path}: {e}") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+def _local_bytes(state) -> int:
+    """Bytes of the tensors this rank writes for `state` (its own shards)."""
+    total = 0
+    for v in state.values():
+        if isinstance(v, dict):
+            total += _local_bytes(v)
+        elif isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            total += local.numel() * local.element_size()
+    return total
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -115,9 +107,9 @@ def resolve_load_path(path: str) -> Path:
                           f"one; give <run.dir>/checkpoints/step_XXXXXXXX or <run.dir>")
 
 
-def _trainer_state(step: int, consumed_samples: int, skipped: int) -> dict[str, torch.Tensor]:
+def _trainer_state(step: int, consumed_samples: int, skipped: int, skip_streak: int) -> dict[str, torch.Tensor]:
     return {"step": torch.tensor(step), "consumed_samples": torch.tensor(consumed_samples),
-            "skipped": torch.tensor(skipped)}
+            "skipped": torch.tensor(skipped), "skip_streak": torch.tensor(skip_streak)}
 
 
 def _state(model: nn.Module, optimizer, trainer_state: dict, options=None) -> dict:
@@ -131,6 +123,7 @@ class Checkpointer:
     def __init__(self, run_dir: Path, keep_last: int, async_save: bool = False):
         self.run_dir, self.keep_last, self.async_save = Path(run_dir), keep_last, async_save
         self._pending = None  # (future, path, trainer) of an async save in flight
+        self._need_bytes = 0  # what this rank writes for the save under way
         self.blocking_seconds: list[float] = []  # how long each save stopped the step loop
         # Async saves run their collectives from a background thread: on a gloo group of their own, never the
         # training group (collectives from two threads on one group can interleave differently on each rank); a
@@ -146,38 +139,79 @@ class Checkpointer:
             shutil.rmtree(path)
         dist.barrier()
         state = _state(trainer.model, trainer.optimizer,
-                       _trainer_state(step, trainer.consumed_samples, trainer.skipped_steps))
+                       _trainer_state(step, trainer.consumed_samples, trainer.skipped_steps,
+                                      trainer.consecutive_skips))
+        self._need_bytes = _local_bytes(state)
         start = time.perf_counter()
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
             self._pending = (future, path, trainer)
         else:
-            dcp.save(state, checkpoint_id=str(path))
+            try:
+                dcp.save(state, checkpoint_id=str(path))
+            except (Exception, CheckpointException) as e:  # every rank gets DCP's gathered exception
+                raise self._save_failed(path, e) from None
             self._complete(path, trainer)
         self.blocking_seconds.append(time.perf_counter() - start)
         return path
 
+    def _save_failed(self, path: Path, e: BaseException) -> BaseException:
+        """A full disk (or quota, or permissions) during a save is the user's to fix: one line naming the directory,
+        the partial save removed, the previous checkpoint still the latest. Other errors stay as they are.
+        torch.save's zip writer reports a full disk as a RuntimeError ("unexpected pos"), without errno: a failed
+        save that leaves less free space than this rank had to write counts as a full disk too."""
+        os_error = next((x for x in _exceptions_in(e) if isinstance(x, OSError)
+                         and x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS)), None)
+        try:
+            full = shutil.disk_usage(path.parent).free < self._need_bytes
+        except OSError:
+            full = False
+        if os_error is None and not full:
+            return e
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        latest = latest_checkpoint(self.run_dir)
+        reason = ("no space left" if os_error is None or os_error.errno in (errno.ENOSPC, errno.EDQUOT)
+                  else os.strerror(os_error.errno))
+        return CheckpointError(f"{reason} on {path.parent} while saving checkpoint {path.name}; the latest complete "
+                               f"checkpoint is {latest if latest is not None else '(none)'}: free space (or fix the "
+                               f"directory), then start the same command again to resume")
+
     def _complete(self, path: Path, trainer) -> None:
         """After every rank's shards are written: extras, the marker, then pruning."""
         dist.barrier(group=self._group)
-        if dist.get_rank() == 0:
-            from hybridpar.config_cli import dump_yaml
+        error = None
+        try:
+            if dist.get_rank() == 0:
+                self._write_extras_and_prune(path, trainer)
+        except OSError as e:
+            error = e
+        # Every rank learns whether rank 0's writes failed (on the save group's device: CPU for gloo).
+        failed = torch.tensor([int(error is not None)], device="cpu" if self._group is not None else trainer.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+        if error is not None:
+            raise self._save_failed(path, error)
+        if failed.item():
+            raise CheckpointError(f"saving checkpoint {path} failed on rank 0 (its error says why)")
 
-            trainer.tokenizer.save(path)
-            (path / "config.yaml").write_text(dump_yaml(trainer.cfg))
-            wandb_id = trainer.log.wandb_id if trainer.log is not None else None
-            (path / "run_state.json").write_text(json.dumps({"wandb_id": wandb_id}) + "\n")
-            tmp = path / f".{MARKER}.tmp"
-            tmp.write_text(f"step {int(path.name[len(STEP_PREFIX):])}\n")
-            tmp.rename(path / MARKER)
-            for old in list_checkpoints(self.run_dir)[:-self.keep_last]:
-                shutil.rmtree(old)
-            # Incomplete saves older than the newest complete one can never be used: clear them too.
-            newest = int(path.name[len(STEP_PREFIX):])
-            for p in (self.run_dir / "checkpoints").iterdir():
-                if p.name.startswith(STEP_PREFIX) and not is_complete(p) and int(p.name[len(STEP_PREFIX):]) < newest:
-                    shutil.rmtree(p, ignore_errors=True)
-        dist.barrier(group=self._group)
+    def _write_extras_and_prune(self, path: Path, trainer) -> None:
+        from hybridpar.config_cli import dump_yaml
+
+        trainer.tokenizer.save(path)
+        (path / "config.yaml").write_text(dump_yaml(trainer.cfg))
+        wandb_id = trainer.log.wandb_id if trainer.log is not None else None
+        (path / "run_state.json").write_text(json.dumps(
+            {"wandb_id": wandb_id, "tokenizer_fingerprint": trainer.tokenizer.fingerprint}) + "\n")
+        tmp = path / f".{MARKER}.tmp"
+        tmp.write_text(f"step {int(path.name[len(STEP_PREFIX):])}\n")
+        tmp.rename(path / MARKER)
+        for old in list_checkpoints(self.run_dir)[:-self.keep_last]:
+            shutil.rmtree(old)
+        # Incomplete saves older than the newest complete one can never be used: clear them too.
+        newest = int(path.name[len(STEP_PREFIX):])
+        for p in (self.run_dir / "checkpoints").iterdir():
+            if p.name.startswith(STEP_PREFIX) and not is_complete(p) and int(p.name[len(STEP_PREFIX):]) < newest:
+                shutil.rmtree(p, ignore_errors=True)
 
     def poll(self) -> None:
         """Complete an async save once its writes have finished on every rank (called between steps; one small
@@ -193,43 +227,110 @@ class Checkpointer:
         if self._pending is not None:
             future, path, trainer = self._pending
             self._pending = None
-            future.result()
+            try:
+                future.result()
+            except (Exception, CheckpointException) as e:
+                raise self._save_failed(path, e) from None
             self._complete(path, trainer)
 
-    def load(self, trainer, path: Path, weights_only: bool = False) -> None:
+    def load(self, trainer, path: Path, weights_only: bool = False) -> list[str]:
         """Restore model (and, unless weights_only, optimizer and trainer position) from checkpoint `path`, into
-        whatever layout the trainer has."""
+        whatever layout the trainer has. Returns the data settings that changed (allowed by
+        checkpoint.allow_data_change); raises CheckpointError (nothing loaded) if they changed without it."""
         check_model_config(path, trainer.cfg)
-        SafeReader(str(path)).read_metadata()  # a crafted metadata file fails here, as a one-line error
+        changes = [] if weights_only else data_changes(path, trainer.cfg, trainer.tokenizer.fingerprint)
+        if changes and not trainer.cfg.checkpoint.allow_data_change:
+            raise CheckpointError(f"resuming from {path} with other data settings ({'; '.join(changes)}): the "
+                                  f"saved data position would index other samples; restore them, start a new "
+                                  f"--run.dir, or pass --checkpoint.allow_data_change true")
+        metadata = read_metadata(path)  # a crafted or damaged checkpoint fails here, as a one-line error
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
         state = {"model": model_sd}
         if not weights_only:
             state["optim"] = optim_sd
-            state["trainer"] = _trainer_state(0, 0, 0)
-        dcp.load(state, storage_reader=SafeReader(str(path)))
+            state["trainer"] = _trainer_state(0, 0, 0, 0)
+            if "trainer.skip_streak" not in metadata.state_dict_metadata:  # saved before the streak was kept
+                del state["trainer"]["skip_streak"]
+        try:
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+        except (Exception, CheckpointException) as e:  # DCP wraps every rank's error; surface ours as the one line it is
+            inner = unwrap_checkpoint_exception(e)
+            if inner is e:
+                raise
+            raise inner from None
         if weights_only:
             set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=True))
-            return
+            return []
         set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
         t = state["trainer"]
         trainer.step, trainer.consumed_samples = int(t["step"]), int(t["consumed_samples"])
         trainer.skipped_steps = int(t["skipped"])
+        trainer.consecutive_skips = int(t.get("skip_streak", 0))
         G = trainer.cfg.train.global_batch_size
         if trainer.consumed_samples != trainer.step * G:
             raise CheckpointError(f"checkpoint {path} consumed {trainer.consumed_samples} samples in "
                                   f"{trainer.step} steps, not {trainer.step} x train.global_batch_size={G}: "
                                   f"resume with the global batch size it was saved with")
+        return changes
+
+
+def read_checkpoint_config(path: Path) -> dict | None:
+    """The resolved config a checkpoint (or run dir) was saved with, as a plain dict; None if it has none. YAML is
+    read with the safe loader (no Python tags); a damaged file is a one-line CheckpointError."""
+    import yaml
+
+    cfg_file = Path(path) / "config.yaml"
+    if not cfg_file.is_file():
+        return None
+    try:
+        saved = yaml.safe_load(cfg_file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{cfg_file} is not a config hybridpar wrote ({first}); restore it from the run's "
+                              f"config.yaml or use another checkpoint") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k, {}), dict) for k in ("model", "train", "data")):
+        raise CheckpointError(f"{cfg_file} is not a config hybridpar wrote (not a mapping of sections); restore it "
+                              f"from the run's config.yaml or use another checkpoint")
+    return saved
+
+
+# What the consumed-samples position means: change any of these and the same position indexes other samples.
+DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data", "split"), ("data", "tokenizer"))
+
+
+def data_changes(path: Path, cfg, tokenizer_fingerprint: str | None) -> list[str]:
+    """The data-defining settings in which `cfg` differs from checkpoint `path`, as 'field: checkpoint X vs now Y'."""
+    saved = read_checkpoint_config(path) or {}
+    from hybridpar.config_cli import to_dict
+
+    now = to_dict(cfg)
+    diff = [f"{a}.{b}: checkpoint {saved[a][b]!r} vs now {now[a][b]!r}" for a, b in DATA_FIELDS
+            if b in saved.get(a, {}) and saved[a][b] != now[a][b]]
+    was = read_run_state(path).get("tokenizer_fingerprint")
+    if was and tokenizer_fingerprint and was != tokenizer_fingerprint:
+        diff.append(f"tokenizer contents: checkpoint {was[:12]} vs now {tokenizer_fingerprint[:12]}")
+    return diff
+
+
+def read_run_state(path: Path) -> dict:
+    """run_state.json of a checkpoint ({} if absent); a damaged one is a one-line CheckpointError."""
+    f = Path(path) / "run_state.json"
+    if not f.is_file():
+        return {}
+    try:
+        state = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is damaged ({e}); delete it to resume without the W&B run id, or use another "
+                              f"checkpoint") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f} is damaged (not a JSON object); delete it to resume without the W&B run id")
+    return state
 
 
 def check_model_config(path: Path, cfg) -> None:
     """A checkpoint of another architecture fails here, naming the fields that differ."""
-    import yaml
-
-    saved_file = Path(path) / "config.yaml"
-    if not saved_file.is_file():
-        return
-    saved = (yaml.safe_load(saved_file.read_text()) or {}).get("model", {})
+    saved = (read_checkpoint_config(path) or {}).get("model", {})
     from hybridpar.config_cli import to_dict
 
     now = to_dict(cfg)["model"]
@@ -241,14 +342,20 @@ def check_model_config(path: Path, cfg) -> None:
                               f"same model config (its config.yaml) or start a new run")
 
 
-def load_full_model_state(path: Path) -> dict[str, torch.Tensor]:
-    """The model weights of checkpoint `path` as full plain tensors, read in this one process (no process group)."""
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The model weights of checkpoint `path` (or only those in `names`) as full plain tensors, read in this one
+    process (no process group)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict = {}
-    _load_state_dict(state, storage_reader=SafeReader(str(path)),
-                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+    try:
+        _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeEmptyLoadPlanner(keys={f"model.{n}" for n in names} if names else {"model"}),
+                         no_dist=True)
+    except (Exception, CheckpointException) as e:
+        inner = unwrap_checkpoint_exception(e)
+        if inner is e:
+            raise
+        raise inner from None
     return state["model"]
 
 
@@ -260,6 +367,14 @@ class CheckpointHook:
         self.last_saved = -1
 
     def _save(self, trainer, step: int) -> None:
+        if trainer.consecutive_skips:
+            # Never save inside a non-finite streak: a resume would start from the diverging state with its streak
+            # hidden. The latest complete checkpoint stays the one to resume from.
+            latest = latest_checkpoint(trainer.run_dir)
+            trainer.log.print(f"warning: not saving a checkpoint at step {step}: {trainer.consecutive_skips} "
+                              f"non-finite step(s) in a row; the latest checkpoint "
+                              f"{latest if latest is not None else '(none)'} predates the streak")
+            return
         path = self.checkpointer.save(trainer, step)
         blocked = self.checkpointer.blocking_seconds[-1]
         trainer.log.print(f"{'started' if self.checkpointer.async_save else 'saved'} checkpoint {path} "

@@ -154,6 +154,9 @@ class CheckpointConfig:
                                          "(fine-tuning, re-warming) with a fresh optimizer")
     async_save: bool = doc(False, "write checkpoints in the background; the step loop blocks only for the copy "
                                   "to CPU memory")
+    allow_data_change: bool = doc(False, "resume although train.seed, train.seq_len, data.path, data.split or the "
+                                         "tokenizer differ from the checkpoint's (the data position then indexes "
+                                         "other samples); the change is recorded in metrics.jsonl")
 
     def __post_init__(self):
         if self.interval < 0 or self.keep_last < 1:

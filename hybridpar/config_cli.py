@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -15,12 +16,9 @@ from typing import Any, Literal, Union
 import yaml
 
 from hybridpar.config import Config
+from hybridpar.errors import ConfigError
 from hybridpar.models import get_model_config
 from hybridpar.models.config import ModelConfig
-
-
-class ConfigError(ValueError):
-    """A user's config mistake: printed as one line, exit status 2."""
 
 
 class _CliValue(str):
@@ -87,14 +85,19 @@ def _convert(key: str, value: Any, tp) -> Any:
                 pass
         raise fail
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_cli:
+            number = float(value)
+        elif from_cli:
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise fail
+        if number is None:
+            raise fail
+        if not math.isfinite(number):  # no setting of hybridpar means anything at inf or nan
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

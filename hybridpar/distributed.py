@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hybridpar.config import ParallelConfig
+from hybridpar.errors import ConfigError
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp")
 
@@ -58,11 +59,11 @@ def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int
         for d in degrees:
             known *= d if d != -1 else 1
         if world_size % known:
-            raise ValueError(f"world size {world_size} is not divisible by the fixed degrees "
+            raise ConfigError(f"world size {world_size} is not divisible by the fixed degrees "
                              f"{_describe(degrees)}; choose degrees whose product divides {world_size}")
         degrees[degrees.index(-1)] = world_size // known
     if degrees[0] * degrees[1] * degrees[2] != world_size:
-        raise ValueError(f"parallel degrees {_describe(degrees)} multiply to {degrees[0] * degrees[1] * degrees[2]}, "
+        raise ConfigError(f"parallel degrees {_describe(degrees)} multiply to {degrees[0] * degrees[1] * degrees[2]}, "
                          f"but the world has {world_size} processes; make dp_replicate*dp_shard*tp = {world_size} "
                          f"or set one of them to -1")
     return degrees[0], degrees[1], degrees[2]
@@ -75,7 +76,7 @@ def _describe(degrees) -> str:
 def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ValueError("train.device=cuda but no CUDA device is visible; use --train.device cpu")
+            raise ConfigError("train.device=cuda but no CUDA device is visible; use --train.device cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.config import Config
+from hybridpar.errors import ConfigError
 from hybridpar.distributed import MESH_AXES, resolve_degrees
 from hybridpar.models import build_model
 from hybridpar.parallel import check_layout
@@ -42,7 +43,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0, gpus_per_node: int | No
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (it starts a fake one)")
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside the world of {world_size}; pick 0 <= rank < {world_size}")
+        raise ConfigError(f"rank {rank} is outside the world of {world_size}; pick 0 <= rank < {world_size}")
     cfg = copy.deepcopy(cfg)
     degrees = resolve_degrees(cfg.parallel, world_size)
     check_layout(cfg, degrees, gpus_per_node)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from hybridpar.config import Config
+from hybridpar.errors import ConfigError
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -65,7 +66,7 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ValueError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
+                raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard") from None
             self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
 
     @property

@@ -20,18 +20,18 @@ import shutil
 import sys
 from pathlib import Path
 
-import yaml
-
-from hybridpar.checkpoint import MARKER, CheckpointError, SafeReader, load_full_model_state, resolve_load_path
+from hybridpar.checkpoint import (MARKER, CheckpointError, load_full_model_state, read_checkpoint_config,
+                                  resolve_load_path)
+from hybridpar.safe_load import read_metadata
 
 
 def _model_config(ckpt: Path):
     from hybridpar.config_cli import config_from_dict
 
-    cfg_file = ckpt / "config.yaml"
-    if not cfg_file.is_file():
+    saved = read_checkpoint_config(ckpt)
+    if saved is None:
         raise CheckpointError(f"{ckpt} has no config.yaml; it was not written by hybridpar's trainer")
-    return config_from_dict(yaml.safe_load(cfg_file.read_text())).model
+    return config_from_dict(saved).model
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -80,26 +80,21 @@ def from_hf_cmd(a) -> str:
 
 
 def to_torch_cmd(a) -> str:
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     from hybridpar.convert import write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _model_config(ckpt)
     _check_out(a.out, a.overwrite)
-    meta = SafeReader(str(ckpt)).read_metadata().state_dict_metadata
+    meta = read_metadata(ckpt).state_dict_metadata
     metas = {k[len("model."):]: (m.properties.dtype, tuple(m.size)) for k, m in meta.items()
              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     if cfg.tie_embeddings:
         metas.pop("lm_head.weight", None)
 
     def load_one(name):
-        state: dict = {}
-        _load_state_dict(state, storage_reader=SafeReader(str(ckpt)),
-                         planner=_EmptyStateDictLoadPlanner(keys={f"model.{name}"}), no_dist=True)
-        return state["model"][name]
+        return load_full_model_state(ckpt, names=[name])[name]
 
     a.out.mkdir(parents=True, exist_ok=True)
     write_safetensors_streaming(a.out / "model.safetensors", metas, load_one)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from hybridpar.data.indexed import DataError, bin_path, idx_path
-from hybridpar.data.preprocess import iter_documents, preprocess
+from hybridpar.data.preprocess import InputStats, iter_documents, preprocess
 from hybridpar.data.tokenizer import load_tokenizer
 
 
@@ -30,6 +30,8 @@ def cli(argv: list[str]) -> int:
                    help="end each document with the tokenizer's end-of-document token (default on)")
     p.add_argument("--blank-line-docs", action="store_true", help="text files: one document per blank-line block")
     p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a JSON record whose text is null or not a string (default: skip and count it)")
     a = p.parse_args(argv)
     try:
         if a.workers < 1:
@@ -44,11 +46,17 @@ def cli(argv: list[str]) -> int:
         for path in a.input:
             if not Path(path).is_file():
                 raise DataError(f"--input {path}: no such file")
-        summary = preprocess(iter_documents(a.input, a.json_key, a.blank_line_docs), a.tokenizer, a.output_prefix,
-                             workers=a.workers, append_eod=a.append_eod, progress=True, tokenizer=tokenizer)
-    except (DataError, ValueError) as e:
+        stats = InputStats()
+        docs = iter_documents(a.input, a.json_key, a.blank_line_docs, strict=a.strict, stats=stats)
+        summary = preprocess(docs, a.tokenizer, a.output_prefix, workers=a.workers, append_eod=a.append_eod,
+                             progress=True, tokenizer=tokenizer)
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if stats.skipped:
+        print(f"warning: {stats.line()} (pass --strict to refuse them)", file=sys.stderr)
+    if summary.documents == 0:
+        print(f"warning: the inputs hold no documents: {a.output_prefix}.bin/.idx are empty", file=sys.stderr)
     print(f"wrote {a.output_prefix}.bin/.idx: {summary.line()}")
     return 0
 

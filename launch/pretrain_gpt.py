@@ -16,11 +16,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hybridpar.checkpoint import CheckpointHook, Checkpointer, latest_checkpoint, resolve_load_path
+from hybridpar.checkpoint import CheckpointHook, Checkpointer, latest_checkpoint, read_run_state, resolve_load_path
 from hybridpar.config import Config
-from hybridpar.config_cli import ConfigError, dump_yaml, help_text, load_config, to_dict
+from hybridpar.config_cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
+from hybridpar.errors import ConfigError, RunDirError, UserError
 from hybridpar.metrics import MetricsLogger
+from hybridpar.run_dir import RunDirLock
 from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult
 
 
@@ -29,16 +31,36 @@ EXIT_ABORTED = 76  # a second signal arrived while the preemption save was runni
 PREEMPTED = "PREEMPTED"  # <run.dir>/PREEMPTED: written when the run saved and stopped on a signal
 
 
-def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
-    """Fill run.name and run.dir (the same on every rank); find the checkpoint to start from: checkpoint.load, else
-    the latest complete one in run.dir (auto-resume). A run.dir holding metrics but no checkpoint is not clobbered."""
+def _broadcast(value):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def lock_run_dir(cfg: Config, rank: int) -> RunDirLock | None:
+    """Fill run.name and run.dir (the same on every rank), then take the run dir's lock on rank 0 before anything
+    reads or writes it. Every rank raises RunDirError if the lock cannot be had."""
     if cfg.run.name is None:
-        name = [f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(name, src=0)
-        cfg.run.name = name[0]
+        cfg.run.name = _broadcast(f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if cfg.run.dir is None:
         cfg.run.dir = str(Path("runs") / cfg.run.name)
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = RunDirLock(Path(cfg.run.dir)).acquire()
+        except RunDirError as e:
+            error = str(e)
+    error = _broadcast(error)
+    if error is not None:
+        raise RunDirError(error)
+    return lock
+
+
+def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
+    """Find the checkpoint to start from: checkpoint.load, else the latest complete one in run.dir (auto-resume).
+    A run.dir holding metrics but no checkpoint is not clobbered."""
     run_dir = Path(cfg.run.dir)
     if cfg.checkpoint.load:
         return run_dir, resolve_load_path(cfg.checkpoint.load)
@@ -50,10 +72,21 @@ def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
 
 
 def _keep_metrics_until(path: Path, step: int) -> None:
-    """A resumed run re-logs the steps after its checkpoint: drop the killed run's rows past it."""
-    if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-        path.write_text("".join(r + "\n" for r in rows))
+    """A resumed run re-logs the steps after its checkpoint: drop the killed run's rows past it (and a line torn by
+    the kill). Written to a temporary file and renamed, so a crash here loses nothing."""
+    if not path.exists():
+        return
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            rows.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(r + "\n" for r in rows))
+    tmp.replace(path)
 
 
 def _install_signal_handlers(trainer: Trainer) -> None:
@@ -75,18 +108,20 @@ def main(cfg: Config) -> TrainResult:
     world = world_from_env()
     device = pick_device(cfg.train.device, world.local_rank)
     mesh = init_mesh(cfg.parallel, device, world)
+    lock = None
     try:
+        lock = lock_run_dir(cfg, world.rank)  # a run owns its run dir from here to its exit
         run_dir, load_from = prepare_run_dir(cfg)
         checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
         trainer = Trainer(cfg, mesh, device, run_dir, hooks=[CheckpointHook(checkpointer, cfg.checkpoint.interval)])
+        data_changes = []
         if load_from is not None:
-            checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)
-            state_file = load_from / "run_state.json"
-            if not cfg.checkpoint.load_weights_only and cfg.logging.wandb.id is None and state_file.is_file():
-                cfg.logging.wandb.id = json.loads(state_file.read_text()).get("wandb_id")
+            data_changes = checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)
+            if not cfg.checkpoint.load_weights_only and cfg.logging.wandb.id is None:
+                cfg.logging.wandb.id = read_run_state(load_from).get("wandb_id")
         resumed = trainer.step > 0
         if world.rank == 0:  # only now, with every input checked, does the run write anything
-            run_dir.mkdir(parents=True, exist_ok=True)
+            lock.keep_dirs()
             if resumed:
                 _keep_metrics_until(run_dir / "metrics.jsonl", trainer.step)
             else:
@@ -98,6 +133,10 @@ def main(cfg: Config) -> TrainResult:
             if load_from is not None:
                 what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"
                 trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples)")
+            if data_changes:
+                trainer.log.print("warning: data settings changed on resume (checkpoint.allow_data_change): "
+                                  + "; ".join(data_changes))
+                trainer.log.log({"step": trainer.step, "data_change": "; ".join(data_changes)})
         _install_signal_handlers(trainer)
         if world.rank == 0:
             (run_dir / PREEMPTED).unlink(missing_ok=True)
@@ -107,6 +146,8 @@ def main(cfg: Config) -> TrainResult:
             (run_dir / PREEMPTED).write_text(f"step {trainer.step}\n")
         return result
     finally:
+        if lock is not None:
+            lock.release()
         shutdown()
 
 
@@ -120,7 +161,7 @@ def cli(argv: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
-    except (ConfigError, ValueError) as e:
+    except UserError as e:  # user-caused: one line; anything else is an internal error and keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     return EXIT_PREEMPTED if result.preempted else 0

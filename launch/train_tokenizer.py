@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from hybridpar.data.indexed import DataError
-from hybridpar.data.preprocess import iter_documents
+from hybridpar.data.preprocess import InputStats, iter_documents
 from hybridpar.data.tokenizer import train_bpe
 
 
@@ -26,6 +26,8 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--output", required=True, help="tokenizer.json to write")
     p.add_argument("--blank-line-docs", action="store_true", help="text files: one document per blank-line block")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a JSON record whose text is null or not a string (default: skip and count it)")
     a = p.parse_args(argv)
     try:
         if a.vocab_size < 512:
@@ -35,12 +37,22 @@ def cli(argv: list[str]) -> int:
         for path in a.input:
             if not Path(path).is_file():
                 raise DataError(f"--input {path}: no such file")
-        tok = train_bpe(iter_documents(a.input, a.json_key, a.blank_line_docs), a.vocab_size)
+        stats = InputStats()
+        tok = train_bpe(iter_documents(a.input, a.json_key, a.blank_line_docs, strict=a.strict, stats=stats),
+                        a.vocab_size)
+        if stats.records == 0:
+            raise DataError(f"--input {' '.join(a.input)} holds no documents: nothing to train on")
         Path(a.output).parent.mkdir(parents=True, exist_ok=True)
         tok.save(a.output)
-    except (DataError, ValueError) as e:
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if stats.skipped:
+        print(f"warning: {stats.line()} (pass --strict to refuse them)", file=sys.stderr)
+    if tok.get_vocab_size() < a.vocab_size:
+        print(f"warning: the corpus gave only {tok.get_vocab_size()} tokens, fewer than --vocab-size "
+              f"{a.vocab_size} (too little text for that many merges); the model's vocab_size follows the "
+              f"tokenizer", file=sys.stderr)
     print(f"wrote {a.output}: {tok.get_vocab_size()} tokens")
     return 0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch.distributed as dist
 
+from hybridpar.errors import ConfigError
 from hybridpar.config import Config
 from hybridpar.data.corpus import load_builtin_corpus
 from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, parse_blend, split_ranges
@@ -51,10 +52,10 @@ def check_vocab(cfg: Config, tokenizer, tp: int) -> None:
     pad = 128 * tp
     padded = pad * math.ceil(need / pad)
     if v < need:
-        raise ValueError(f"tokenizer {tokenizer.spec!r} has {need} tokens but model.vocab_size={v}; set "
+        raise ConfigError(f"tokenizer {tokenizer.spec!r} has {need} tokens but model.vocab_size={v}; set "
                          f"--model.vocab_size {padded}")
     if v % pad:
-        raise ValueError(f"model.vocab_size={v} is not a multiple of 128 x tp = {pad}; set --model.vocab_size "
+        raise ConfigError(f"model.vocab_size={v} is not a multiple of 128 x tp = {pad}; set --model.vocab_size "
                          f"{pad * math.ceil(v / pad)}")
 
 
@@ -104,7 +105,7 @@ def build_training_data(cfg: Config, dp_rank: int, dp_size: int, tp: int, pin_me
                 dist.barrier()
     else:
         if d.tokenizer.startswith("train-bpe"):
-            raise ValueError(f"data.tokenizer={d.tokenizer!r} trains on the built-in corpus only; give the tokenizer "
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r} trains on the built-in corpus only; give the tokenizer "
                              f"your data was preprocessed with (bpe:PATH, gpt2:DIR, sentencepiece:MODEL or bytes)")
         path, tokenizer = d.path, load_tokenizer(d.tokenizer)
         description = " + ".join(f"{w:.2f} x {p}" for w, p in parse_blend(path)) if " " in path.strip() else path

@@ -25,16 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridpar.errors import DataError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
           8: np.uint16}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
-
-
-class DataError(ValueError):
-    """A data file or data setting that cannot be used; the message names the file and the fix."""
 
 
 def token_dtype(vocab_size: int) -> type:
@@ -132,14 +130,48 @@ class IndexedTokens:
         self.sequence_pointers = idx[off:off + 8 * n_seq].view(np.int64)
         off += 8 * n_seq
         self.document_indices = idx[off:off + 8 * n_doc].view(np.int64)
-        n_bytes = (int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-                   if n_seq else 0)
+        n_bytes = self._check_index(ip)
         bin_size = bp.stat().st_size
         if bin_size < n_bytes:
             raise DataError(f"{bp} is {bin_size:,} bytes but its index says {n_bytes:,}: the file is truncated; "
                             f"copy it again or re-run launch/preprocess_data.py")
+        if bin_size > n_bytes:
+            raise DataError(f"{bp} is {bin_size:,} bytes but its index {ip} describes {n_bytes:,}: the two files "
+                            f"belong to different datasets; re-run launch/preprocess_data.py")
         self.tokens = (np.memmap(bp, mode="r", dtype=self.dtype, shape=(n_bytes // self.dtype.itemsize,))
                        if n_bytes else np.zeros(0, self.dtype))
+
+    def _check_index(self, ip: Path, chunk: int = 1 << 22) -> int:
+        """The whole index, vectorised in chunks (bounded memory): sizes >= 0, each pointer = the previous one plus
+        the previous size, document boundaries from 0 to the sequence count and never decreasing. Returns the .bin
+        length in bytes the index describes; DataError naming the first bad entry otherwise."""
+        sizes, pointers, docs, item = self.sequence_lengths, self.sequence_pointers, self.document_indices, \
+            self.dtype.itemsize
+        fix = "re-run launch/preprocess_data.py"
+        expect = 0  # byte offset where the next sequence must start
+        for lo in range(0, len(sizes), chunk):
+            s = sizes[lo:lo + chunk].astype(np.int64)
+            if (s < 0).any():
+                i = lo + int(np.argmax(s < 0))
+                raise DataError(f"{ip}: sequence {i} has a negative size ({int(sizes[i])}); {fix}")
+            want = expect + np.concatenate(([0], np.cumsum(s[:-1] * item)))
+            bad = pointers[lo:lo + chunk] != want
+            if bad.any():
+                i = lo + int(np.argmax(bad))
+                raise DataError(f"{ip}: sequence {i} points at byte {int(pointers[i])}, but the sizes before it "
+                                f"put it at {int(want[i - lo])}; {fix}")
+            expect = int(want[-1] + s[-1] * item)
+        if len(docs):
+            if docs[0] != 0 or docs[-1] != len(sizes):
+                raise DataError(f"{ip}: document boundaries run from {int(docs[0])} to {int(docs[-1])}, not from 0 to "
+                                f"the {len(sizes)} sequences; {fix}")
+            for lo in range(0, len(docs) - 1, chunk):
+                step = np.diff(docs[lo:lo + chunk + 1])
+                if (step < 0).any():
+                    i = lo + 1 + int(np.argmax(step < 0))
+                    raise DataError(f"{ip}: document boundary {i} ({int(docs[i])}) is below the one before it "
+                                    f"({int(docs[i - 1])}); {fix}")
+        return expect
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

@@ -15,7 +15,7 @@ import multiprocessing as mp
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -27,56 +27,101 @@ from hybridpar.data.tokenizer import load_tokenizer
 BATCH_DOCS = 256
 
 
-def _open_text(path: Path):
+def _open_binary(path: Path):
+    """The file's bytes (decompressed for .gz / .zst), line by line."""
     name = path.name
     if name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
+        return gzip.open(path, "rb")
     if name.endswith(".zst"):
         try:
             import zstandard
         except ImportError:
             raise DataError(f"{path} is zstd-compressed: pip install zstandard (or decompress it first)") from None
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")))
+    return open(path, "rb")
 
 
 def _is_jsonl(path: Path) -> bool:
     return any(path.name.endswith(ext + c) for ext in (".jsonl", ".json") for c in ("", ".gz", ".zst"))
 
 
-def iter_documents(paths: Iterable[Path], json_key: str = "text", blank_line_docs: bool = False) -> Iterator[str]:
-    """Every document of the inputs, in order, read lazily."""
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line; a byte sequence that is not UTF-8 names the file and the line."""
+    try:
+        with _open_binary(path) as f:
+            for n, raw in enumerate(f, 1):
+                try:
+                    yield n, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{n} is not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                    f"convert the file to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    except (OSError, EOFError) as e:  # gzip/zstd: damaged or truncated stream
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise DataError(f"{path} cannot be read to the end ({e}); is the compressed file complete?") from None
+
+
+@dataclass
+class InputStats:
+    """What iter_documents read and left out, for the summary."""
+    records: int = 0
+    skipped: dict = field(default_factory=dict)  # why -> count (e.g. "null text", "int text")
+    empty_files: list = field(default_factory=list)
+
+    def skip(self, why: str) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+
+    def line(self) -> str:
+        parts = [f"{n:,} record(s) with {why}" for why, n in self.skipped.items()]
+        return ("skipped " + ", ".join(parts)) if parts else ""
+
+
+def iter_documents(paths: Iterable[Path], json_key: str = "text", blank_line_docs: bool = False,
+                   strict: bool = False, stats: InputStats | None = None) -> Iterator[str]:
+    """Every document of the inputs, in order, read lazily. A JSON record whose text is null or not a string is
+    skipped and counted in `stats` (with strict: refused), never turned into text such as "None" or "123"."""
+    stats = stats if stats is not None else InputStats()
     for path in paths:
         path = Path(path)
         if not path.is_file():
             raise DataError(f"--input {path}: no such file")
+        before = stats.records
         if _is_jsonl(path):
-            with _open_text(path) as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
-                    if not isinstance(record, dict) or json_key not in record:
-                        keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
-                        raise DataError(f"{path}:{n} has no key {json_key!r} (it has {keys}); pass --json-key")
-                    yield str(record[json_key])
-        else:
-            with _open_text(path) as f:
-                if not blank_line_docs:
-                    yield f.read()
+            for n, line in _lines(path):
+                if not line.strip():
                     continue
-                block: list[str] = []
-                for line in f:
-                    if line.strip():
-                        block.append(line)
-                    elif block:
-                        yield "".join(block)
-                        block = []
-                if block:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
+                if not isinstance(record, dict) or json_key not in record:
+                    keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
+                    raise DataError(f"{path}:{n} has no key {json_key!r} (it has {keys}); pass --json-key")
+                text = record[json_key]
+                if not isinstance(text, str):
+                    kind = "null" if text is None else type(text).__name__
+                    if strict:
+                        raise DataError(f"{path}:{n}: {json_key!r} is {kind}, not text; fix the record or drop "
+                                        f"--strict to skip such records")
+                    stats.skip(f"{kind} {json_key!r}")
+                    continue
+                stats.records += 1
+                yield text
+        else:
+            block: list[str] = []
+            for _, line in _lines(path):
+                if not blank_line_docs or line.strip():
+                    block.append(line)
+                elif block:
+                    stats.records += 1
                     yield "".join(block)
+                    block = []
+            if block:
+                stats.records += 1
+                yield "".join(block)
+        if stats.records == before:
+            stats.empty_files.append(str(path))
+            print(f"warning: --input {path} holds no documents", file=sys.stderr)
 
 
 _worker_tok = None

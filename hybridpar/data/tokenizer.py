@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Iterable
 
+from hybridpar.errors import ConfigError
+
 EOD_TOKEN = "<|endoftext|>"
 
 
@@ -76,7 +78,7 @@ class SentencePieceTokenizer:
         try:
             import sentencepiece
         except ImportError:
-            raise ValueError(f"data.tokenizer={spec!r} needs the sentencepiece package: pip install sentencepiece")
+            raise ConfigError(f"data.tokenizer={spec!r} needs the sentencepiece package: pip install sentencepiece")
         self.path, self.spec = path, spec
         self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
         self.vocab_size = self.sp.get_piece_size()
@@ -108,7 +110,7 @@ def _gpt2_bpe(directory: str, spec: str):
         if (d / vocab).is_file() and (d / merges).is_file():
             break
     else:
-        raise ValueError(f"data.tokenizer={spec!r}: {directory!r} holds neither vocab.json + merges.txt nor "
+        raise ConfigError(f"data.tokenizer={spec!r}: {directory!r} holds neither vocab.json + merges.txt nor "
                          f"encoder.json + vocab.bpe; give the directory of GPT-2's tokenizer files")
     tok = Tokenizer(models.BPE.from_file(str(d / vocab), str(d / merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -139,13 +141,13 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
         from tokenizers import Tokenizer
 
         if not Path(arg).is_file():
-            raise ValueError(f"data.tokenizer={spec!r}: no such file {arg!r}; give the path of a tokenizer.json")
+            raise ConfigError(f"data.tokenizer={spec!r}: no such file {arg!r}; give the path of a tokenizer.json")
         return HFTokenizer(Tokenizer.from_file(arg), spec)
     if kind == "gpt2" and arg:
         return HFTokenizer(_gpt2_bpe(arg, spec), spec)
     if kind == "sentencepiece" and arg:
         if not Path(arg).is_file():
-            raise ValueError(f"data.tokenizer={spec!r}: no such file {arg!r}; give the path of a SentencePiece .model")
+            raise ConfigError(f"data.tokenizer={spec!r}: no such file {arg!r}; give the path of a SentencePiece .model")
         return SentencePieceTokenizer(arg, spec)
     if kind == "train-bpe":
         try:
@@ -153,9 +155,9 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
         except ValueError:
             n = 0
         if n < 512:
-            raise ValueError(f"data.tokenizer={spec!r}: give the vocabulary size, at least 512, e.g. train-bpe:8192")
+            raise ConfigError(f"data.tokenizer={spec!r}: give the vocabulary size, at least 512, e.g. train-bpe:8192")
         if train_docs is None:
-            raise ValueError(f"data.tokenizer={spec!r} trains on the built-in corpus only; for your own data run "
+            raise ConfigError(f"data.tokenizer={spec!r} trains on the built-in corpus only; for your own data run "
                              f"launch/train_tokenizer.py and pass bpe:PATH")
         from tokenizers import Tokenizer
 
@@ -168,5 +170,5 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
         tok.save(str(tmp))
         os.replace(tmp, path)
         return HFTokenizer(tok, spec)
-    raise ValueError(f"data.tokenizer={spec!r} is not a tokenizer spec; use bytes, bpe:PATH, gpt2:DIR, "
+    raise ConfigError(f"data.tokenizer={spec!r} is not a tokenizer spec; use bytes, bpe:PATH, gpt2:DIR, "
                      f"sentencepiece:MODEL or train-bpe:N")

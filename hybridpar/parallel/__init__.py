@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.config import Config
+from hybridpar.errors import ConfigError
 from hybridpar.parallel.fsdp import apply_fsdp, check_strategy
 from hybridpar.parallel.tensor_parallel import apply_tp
 
@@ -30,10 +31,10 @@ def check_layout(cfg: Config, degrees: tuple[int, int, int], gpus_per_node: int 
         if cfg.parallel.sequence_parallel and cfg.train.seq_len % tp:
             bad["train.seq_len (sequence parallel)"] = cfg.train.seq_len
         if bad:
-            raise ValueError(f"parallel.tp={tp} must divide " + ", ".join(f"{k}={v}" for k, v in bad.items())
+            raise ConfigError(f"parallel.tp={tp} must divide " + ", ".join(f"{k}={v}" for k, v in bad.items())
                              + "; pick tp among their common divisors")
         if gpus_per_node is not None and tp > gpus_per_node:
-            raise ValueError(f"parallel.tp={tp} exceeds the {gpus_per_node} GPUs of a node; TP needs the fast "
+            raise ConfigError(f"parallel.tp={tp} exceeds the {gpus_per_node} GPUs of a node; TP needs the fast "
                              f"links inside a node: use tp <= {gpus_per_node} and grow dp_shard instead")
     check_strategy(cfg.parallel, dp_replicate, dp_shard)
     cfg.check_world(dp_replicate * dp_shard)

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from hybridpar.config import ParallelConfig
+from hybridpar.errors import ConfigError
 
 
 def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
@@ -25,10 +26,10 @@ def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
 
 def check_strategy(cfg: ParallelConfig, dp_replicate: int, dp_shard: int) -> None:
     if cfg.fsdp_strategy == "hybrid_shard" and dp_replicate == 1:
-        raise ValueError("parallel.fsdp_strategy=hybrid_shard needs parallel.dp_replicate > 1 "
+        raise ConfigError("parallel.fsdp_strategy=hybrid_shard needs parallel.dp_replicate > 1 "
                          "(replicas of dp_shard groups); use full_shard or set dp_replicate")
     if cfg.fsdp_strategy == "no_shard" and dp_shard != 1:
-        raise ValueError(f"parallel.fsdp_strategy=no_shard replicates parameters, so it needs parallel.dp_shard=1 "
+        raise ConfigError(f"parallel.fsdp_strategy=no_shard replicates parameters, so it needs parallel.dp_shard=1 "
                          f"(got {dp_shard}); put the data-parallel degree in parallel.dp_replicate")
 
 

@@ -1,0 +1,22 @@
+"""The errors a user causes (a config value, a file, a busy run dir). The launchers print these as one line naming
+the value and the fix, and exit 2; every other exception is an internal error and keeps its traceback."""
+
+
+class UserError(ValueError):
+    """Base of every user-caused error."""
+
+
+class ConfigError(UserError):
+    """A config value that cannot work: printed as one line, exit status 2."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be used as asked; the message names it and the fix."""
+
+
+class DataError(UserError):
+    """A data file or data setting that cannot be used; the message names the file and the fix."""
+
+
+class RunDirError(UserError):
+    """A run directory that this process may not use (another run holds it, or it is not a directory)."""

@@ -1,0 +1,159 @@
+"""Reading DCP checkpoints without running anything a file asks for.
+
+DCP stores two kinds of pickles: the `.metadata` file (read by `pickle.load` in DCP's own reader) and, for non-tensor
+values such as the optimizer's `param_groups`, byte entries inside the `.distcp` shards (read by
+`torch.load(weights_only=False)` in DCP's default planner). Either would run code from a crafted checkpoint. Here:
+
+- `.metadata` is read by `MetadataUnpickler`: an explicit set of (module, class name) pairs, compared as strings,
+  never resolved through dots (protocol 4 resolves `"os.system"` attribute by attribute from an allowed module);
+  the one function DCP pickles, torch's layout lookup, is replaced by a local table.
+- the decoded metadata is then checked: only DCP's storage records, byte entries only under `optim.param_groups`,
+  shard files named `__<rank>_<n>.distcp` inside the checkpoint (no paths), no storage transforms, every shard
+  present and long enough for the ranges the index gives it.
+- byte entries are unpickled with `torch.load(weights_only=True)`: torch's own allow-list (numbers, strings,
+  containers, tensors). Tensor entries already are (DCP's reader).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
+                                                   TensorStorageMetadata)
+
+from hybridpar.errors import CheckpointError
+
+
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_LAYOUTS = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+_DTYPES = {name for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+# Every global a DCP .metadata may name, by exact module and name: DCP's record classes and plain containers.
+ALLOWED_GLOBALS = frozenset(
+    {(_DCP_META, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                              "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+       ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+       ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+    | {("torch", n) for n in _DTYPES})
+_SHARD_NAME = re.compile(r"__\d+_\d+\.distcp")
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's .metadata, resolving only the names in ALLOWED_GLOBALS."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in ALLOWED_GLOBALS:  # a dotted name is never in the set, so never walked
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not part of DCP's "
+                                         f"metadata: refusing to load it")
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return _LAYOUTS.__getitem__  # "torch.strided" -> torch.strided, from a table built here
+        return super().find_class(module, name)
+
+
+def read_metadata(path: Path) -> Metadata:
+    """The checked DCP metadata of checkpoint directory `path`; CheckpointError (one line) if it is unsafe or damaged."""
+    path = Path(path)
+    meta_file = path / ".metadata"
+    if not meta_file.is_file():
+        raise CheckpointError(f"checkpoint {path} has no .metadata file (deleted or never written): it cannot be "
+                              f"loaded; use an earlier checkpoint of the run")
+    try:
+        with open(meta_file, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{meta_file}: {e}") from None
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+        raise CheckpointError(f"{meta_file} is damaged ({type(e).__name__}: {e}); use an earlier checkpoint") from None
+    _check_metadata(path, metadata)
+    return metadata
+
+
+def _check_metadata(path: Path, md) -> None:
+    bad = f"checkpoint {path}: .metadata"
+    if type(md) is not Metadata or not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data,
+                                                                                                    dict):
+        raise CheckpointError(f"{bad} is not a DCP metadata record ({type(md).__name__}); refusing to load it")
+    for key, entry in md.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata) and str(key).startswith("optim.param_groups."):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"{bad} declares {key!r} as {type(entry).__name__}; hybridpar stores that as a "
+                                  f"tensor: refusing to load it")
+    needed: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
+            raise CheckpointError(f"{bad} points {getattr(index, 'fqn', index)!r} at {name!r}, not a shard file of "
+                                  f"this checkpoint (__<rank>_<n>.distcp): refusing to load it")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{bad} asks for storage transforms {info.transform_descriptors!r}, which hybridpar "
+                                  f"never writes: refusing to load it")
+        if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0 and info.length >= 0):
+            raise CheckpointError(f"{bad} gives {index.fqn!r} the range offset={info.offset!r} length={info.length!r}")
+        needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            raise CheckpointError(f"checkpoint {path} is missing its shard {name} (deleted or never written): it "
+                                  f"cannot be loaded; use an earlier checkpoint of the run")
+        size = shard.stat().st_size
+        if size < end:
+            raise CheckpointError(f"checkpoint {path}: shard {name} is truncated ({size} bytes, its index needs "
+                                  f"{end}); use an earlier checkpoint of the run")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader with the metadata read and checked by read_metadata() instead of pickle.load."""
+
+    def read_metadata(self, *args, **kwargs):
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(f"{self.path}: per-rank metadata files are not written by hybridpar")
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes_safely(value: io.BytesIO):
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else "not plain data"
+        raise CheckpointError(f"a byte entry of the checkpoint is not plain data ({first}); refusing to load it") from None
+
+
+class _SafeBytes:
+    """Byte entries unpickled with torch's weights-only allow-list, stored where DCP's planner would store them."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = _load_bytes_safely(value)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """DCP's load planner with safe byte entries."""
+
+
+class SafeEmptyLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    """Loads every entry a checkpoint holds (under `keys`) into an empty state dict, with safe byte entries."""
+
+
+def unwrap_checkpoint_exception(e: BaseException) -> BaseException:
+    """DCP wraps each rank's exception in a CheckpointException (a multi-line traceback): the first of our own
+    CheckpointErrors inside it, else `e` itself."""
+    for failure in getattr(e, "failures", {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+    return e
