@@ -347,6 +347,7 @@ def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[st
     process (no process group)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    read_metadata(path)  # unsafe or damaged: one CheckpointError here (DCP would retry per rank and wrap it)
     state: dict = {}
     try:
         _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeEmptyLoadPlanner(keys={f"model.{n}" for n in names} if names else {"model"}),

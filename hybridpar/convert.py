@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridpar.errors import CheckpointError
 from hybridpar.models import ModelConfig
 
 GPT2_KEYS = dict(norm="layernorm", position="learned", mlp="gelu", bias=True, tie_embeddings=True)
@@ -32,7 +33,7 @@ def family(cfg: ModelConfig) -> str:
         return "gpt2"
     if all(getattr(cfg, k) == v for k, v in LLAMA_KEYS.items()):
         return "llama"
-    raise ValueError(f"model {cfg.name} (norm={cfg.norm}, position={cfg.position}, mlp={cfg.mlp}, bias={cfg.bias}) "
+    raise CheckpointError(f"model {cfg.name} (norm={cfg.norm}, position={cfg.position}, mlp={cfg.mlp}, bias={cfg.bias}) "
                      f"matches neither GPT2LMHeadModel nor LlamaForCausalLM; export it with to-torch instead")
 
 
@@ -103,13 +104,34 @@ def from_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     model.safetensors). The config is named after the zoo family it belongs to, every field set explicitly."""
     from safetensors.torch import load_file
 
-    c = json.loads((Path(hf_dir) / "config.json").read_text())
+    cfg_file = Path(hf_dir) / "config.json"
+    try:
+        c = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); re-save the model with save_pretrained") from None
+    if not isinstance(c, dict):
+        raise CheckpointError(f"{cfg_file} is not a transformers config (a JSON object); re-save the model")
     files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
-        raise ValueError(f"{hf_dir} has no .safetensors weights; save the model with safe_serialization=True")
+        raise CheckpointError(f"{hf_dir} has no .safetensors weights; save the model with safe_serialization=True")
     hf = {}
     for f in files:
-        hf.update(load_file(str(f)))
+        try:
+            hf.update(load_file(str(f)))
+        except Exception as e:  # safetensors' own error type: a damaged or truncated file
+            raise CheckpointError(f"{f} cannot be read as safetensors ({e}); re-save or re-download it") from None
+    try:
+        return _from_hf(c, hf, hf_dir)
+    except CheckpointError:
+        raise
+    except KeyError as e:
+        raise CheckpointError(f"{hf_dir}: config.json or the weights lack {e}; is it a complete GPT2LMHeadModel or "
+                              f"LlamaForCausalLM save?") from None
+    except (ValueError, TypeError) as e:  # a config value the model config refuses
+        raise CheckpointError(f"{cfg_file}: {e}") from None
+
+
+def _from_hf(c: dict, hf: dict, hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     sd = {}
     arch = (c.get("architectures") or [c.get("model_type")])[0]
     if c.get("model_type") == "gpt2":
@@ -141,7 +163,7 @@ def from_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
                           rope_theta=c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0),
                           tie_embeddings=c.get("tie_word_embeddings", False), dropout=0.0, **LLAMA_KEYS)
         if c.get("head_dim") not in (None, cfg.head_dim):
-            raise ValueError(f"{hf_dir}: head_dim {c['head_dim']} != hidden_size / heads = {cfg.head_dim}; "
+            raise CheckpointError(f"{hf_dir}: head_dim {c['head_dim']} != hidden_size / heads = {cfg.head_dim}; "
                              f"hybridpar's GPT needs d_model = n_heads x head_dim")
         sd["tok_embeddings.weight"] = hf["model.embed_tokens.weight"]
         for i in range(cfg.n_layers):
@@ -157,7 +179,7 @@ def from_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         sd["norm.weight"] = hf["model.norm.weight"]
         sd["lm_head.weight"] = hf.get("lm_head.weight", sd["tok_embeddings.weight"])
     else:
-        raise ValueError(f"{hf_dir}: architecture {arch!r} is not supported; hybridpar converts GPT2LMHeadModel "
+        raise CheckpointError(f"{hf_dir}: architecture {arch!r} is not supported; hybridpar converts GPT2LMHeadModel "
                          f"and LlamaForCausalLM")
     cfg.validate()
     return cfg, {k: v.contiguous() for k, v in sd.items()}

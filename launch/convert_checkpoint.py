@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hybridpar.checkpoint import (MARKER, CheckpointError, load_full_model_state, read_checkpoint_config,
                                   resolve_load_path)
+from hybridpar.errors import UserError
 from hybridpar.safe_load import read_metadata
 
 
@@ -122,7 +123,7 @@ def cli(argv: list[str]) -> int:
     except ImportError as e:
         print(f"error: {e.name or e} is needed for {a.cmd}: pip install -e \".[hf]\"", file=sys.stderr)
         return 2
-    except (CheckpointError, ValueError, KeyError) as e:
+    except UserError as e:  # user-caused: one line; anything else keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(message)

@@ -17,11 +17,32 @@ PANELS = [("loss", "train loss"), ("val_loss", "validation loss"), ("lr", "learn
           ("tokens_per_sec", "tokens/s (global)"), ("mfu", "MFU")]
 
 
+class MetricsError(ValueError):
+    """A run directory whose metrics cannot be plotted; the message names it."""
+
+
 def read_rows(run_dir: Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl. A line that is not a JSON object (torn by a killed run, or damaged) is
+    skipped with a warning naming it; a file with no rows at all is an error."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl; give run directories")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise MetricsError(f"{run_dir}: no metrics.jsonl; give run directories")
+    rows = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            print(f"warning: {path}:{n} is not a metrics row (torn or damaged line); skipped", file=sys.stderr)
+            continue
+        rows.append(row)
+    if not rows:
+        raise MetricsError(f"{path} holds no metrics rows yet (the run logs one every logging.interval steps); "
+                           f"nothing to plot")
+    return rows
 
 
 def plot(run_dirs: list[Path], out: Path) -> None:
@@ -30,7 +51,7 @@ def plot(run_dirs: list[Path], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {str(d): read_rows(d) for d in run_dirs}
+    runs = {str(d): read_rows(d) for d in run_dirs}  # every run read before anything is written
     fig, axes = plt.subplots(len(PANELS), 2, figsize=(12, 3 * len(PANELS)), squeeze=False)
     for row, (key, title) in enumerate(PANELS):
         for col, xkey in enumerate(("step", "consumed_tokens")):
@@ -64,7 +85,7 @@ def cli(argv: list[str]) -> int:
     except ImportError:
         print('error: plotting needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return 2
-    except FileNotFoundError as e:
+    except MetricsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {a.out}")
