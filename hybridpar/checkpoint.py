@@ -360,6 +360,17 @@ def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[st
     return state["model"]
 
 
+def read_trainer_state(path: Path) -> dict[str, int]:
+    """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped (and skip_streak)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    read_metadata(path)
+    state: dict = {}
+    _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeEmptyLoadPlanner(keys={"trainer"}),
+                     no_dist=True)
+    return {k: int(v) for k, v in state["trainer"].items()}
+
+
 class CheckpointHook:
     """Saves every checkpoint.interval steps and at the end of training (when interval > 0)."""
 

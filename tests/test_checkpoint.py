@@ -16,7 +16,7 @@ import torch
 
 from conftest import ROOT, run_cli
 from hybridpar.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints,
-                                  load_full_model_state, resolve_load_path)
+                                  load_full_model_state, read_trainer_state, resolve_load_path)
 
 STEPS = 8
 COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",
@@ -82,7 +82,11 @@ def test_kill_9_and_resume_is_bitwise_exact(kill_point, reference, tmp_path, cac
     assert resume_from is not None and int(resume_from.name[5:]) >= 4
     out = run_cli(_args(cache_dir, run_dir))  # same command: resumes from the latest complete checkpoint
     assert out.returncode == 0, out.stderr[-3000:]
-    assert f"resuming from {resume_from}" in out.stdout
+    n = int(resume_from.name[5:])
+    assert f"resuming from {resume_from} (step {n}, {n * 8} samples)" in out.stdout  # global batch 8
+    # The data position survives the resume: the final checkpoint has consumed steps x global batch samples.
+    assert read_trainer_state(checkpoint_dir(run_dir, STEPS)) == {"step": STEPS, "consumed_samples": STEPS * 8,
+                                                                  "skipped": 0, "skip_streak": 0}
     assert _losses(run_dir) == ref_losses  # bitwise: every step, before and after the kill
     weights = load_full_model_state(checkpoint_dir(run_dir, STEPS))
     assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)

@@ -34,6 +34,14 @@ def test_two_microbatches_of_two_equal_one_of_four():
     loss2, g2 = _grads_after(state, [(x[:2], y[:2]), (x[2:], y[2:])])
     loss4, g4 = _grads_after(state, [(x[i:i + 1], y[i:i + 1]) for i in range(4)])
     assert abs(loss1 - loss2) < 1e-5 and abs(loss1 - loss4) < 1e-5
+    # A second implementation as the reference: torch's own token-mean cross entropy over the whole batch.
+    ref = build_model(get_model_config("tiny", n_layers=2), device="cpu")
+    ref.load_state_dict(state)
+    want = torch.nn.functional.cross_entropy(ref(x).flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX)
+    want.backward()
+    assert abs(loss1 - float(want)) < 1e-5 * float(want)
+    for k, p in ref.named_parameters():
+        torch.testing.assert_close(g1[k], p.grad, atol=1e-6, rtol=1e-5)
     for k in g1:
         torch.testing.assert_close(g2[k], g1[k], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(g4[k], g1[k], atol=1e-6, rtol=1e-5)

@@ -95,10 +95,12 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
         dist.destroy_process_group()
 
 
-def test_tp_layers_loss_parallel_and_fsdp_accumulation(tmp_path):
+def test_tp_layers_loss_parallel_and_fsdp_accumulation(tmp_path, monkeypatch):
     ctx = mp.get_context("spawn")
     results = ctx.Manager().dict()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # For the two spawned workers only: monkeypatch restores the variable, so the test processes started after this
+    # test keep the thread count every other test runs with.
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     mp.start_processes(_worker, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True,
                        start_method="spawn")
     for rank in range(2):
