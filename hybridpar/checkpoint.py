@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 
 from hybridpar.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader, read_metadata,
                                  unwrap_checkpoint_exception)
@@ -113,6 +113,10 @@ def _trainer_state(step: int, consumed_samples: int, skipped: int, skip_streak: 
 
 
 def _state(model: nn.Module, optimizer, trainer_state: dict, options=None) -> dict:
+    """What a checkpoint holds. Before the first optimizer step (a seed checkpoint) AdamW has no state: none is
+    saved (asking for it would allocate two zero copies of every shard), and a load starts a fresh optimizer."""
+    if not optimizer.state:
+        return {"model": get_model_state_dict(model, options=options), "trainer": trainer_state}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     return {"model": model_sd, "optim": optim_sd, "trainer": trainer_state}
 
@@ -244,10 +248,12 @@ class Checkpointer:
                                   f"saved data position would index other samples; restore them, start a new "
                                   f"--run.dir, or pass --checkpoint.allow_data_change true")
         metadata = read_metadata(path)  # a crafted or damaged checkpoint fails here, as a one-line error
-        model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-        state = {"model": model_sd}
+        saved = metadata.state_dict_metadata
+        with_optim = not weights_only and any(k.startswith("optim.") for k in saved)  # a seed checkpoint has none
+        state = {"model": get_model_state_dict(trainer.model)}
+        if with_optim:
+            state["model"], state["optim"] = get_state_dict(trainer.model, trainer.optimizer)
         if not weights_only:
-            state["optim"] = optim_sd
             state["trainer"] = _trainer_state(0, 0, 0, 0)
             if "trainer.skip_streak" not in metadata.state_dict_metadata:  # saved before the streak was kept
                 del state["trainer"]["skip_streak"]
@@ -258,16 +264,21 @@ class Checkpointer:
             if inner is e:
                 raise
             raise inner from None
-        if weights_only:
+        if not with_optim:
             set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=True))
+        else:
+            set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+        if weights_only:
             return []
-        set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
         t = state["trainer"]
         trainer.step, trainer.consumed_samples = int(t["step"]), int(t["consumed_samples"])
         trainer.skipped_steps = int(t["skipped"])
         trainer.consecutive_skips = int(t.get("skip_streak", 0))
         G = trainer.cfg.train.global_batch_size
+        if not with_optim and trainer.step:
+            raise CheckpointError(f"checkpoint {path} is at step {trainer.step} but holds no optimizer state; load it "
+                                  f"with --checkpoint.load_weights_only true")
         if trainer.consumed_samples != trainer.step * G:
             raise CheckpointError(f"checkpoint {path} consumed {trainer.consumed_samples} samples in "
                                   f"{trainer.step} steps, not {trainer.step} x train.global_batch_size={G}: "

@@ -51,7 +51,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = doc(200, "optimizer steps to run")
+    steps: int = doc(200, "optimizer steps to run; 0 with checkpoint.interval > 0 writes the initial weights as a "
+                          "seed checkpoint (step 0) and stops")
     micro_batch_size: Optional[int] = doc(
         None, "sequences per microbatch per data-parallel rank; None = global_batch_size / data-parallel size "
         "(one microbatch per step, no accumulation)")
@@ -86,7 +87,10 @@ class TrainConfig:
             raise ValueError(f"train.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = plain logits)")
         if self.max_skipped_steps < 0:
             raise ValueError(f"train.max_skipped_steps={self.max_skipped_steps} must be >= 0")
-        _positive("train", steps=self.steps, micro_batch_size=self.micro_batch_size, ac_every=self.ac_every,
+        if self.steps < 0:
+            raise ValueError(f"train.steps={self.steps} must be >= 0 (0 = start up, save a seed checkpoint with "
+                             f"checkpoint.interval > 0, and stop)")
+        _positive("train", micro_batch_size=self.micro_batch_size, ac_every=self.ac_every,
                   global_batch_size=self.global_batch_size, seq_len=self.seq_len, eval_batches=self.eval_batches)
         if self.precision not in (None, "fp32", "bf16"):
             raise ValueError(f"train.precision={self.precision!r}: use fp32 or bf16")

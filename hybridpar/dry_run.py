@@ -1,9 +1,10 @@
 """Dry run: one rank of a large job, in one CPU process, with no memory and no network.
 
-The model is built on the meta device (shapes, no storage), a fake process group of the requested world size
-stands in for NCCL (its collectives return at once), the real device mesh and the real parallelize function are
-applied for one rank's coordinates, and an AdamW step on meta gradients creates the optimizer state. What comes
-out is that rank's local shard shapes and bytes: the figures the planner (hybridpar.plan) must reproduce.
+A fake process group of the requested world size stands in for NCCL (its collectives return at once), and the
+trainer's own start-up (hybridpar.startup: meta-device build, the real parallelize function for one rank's
+coordinates, then that rank's shards materialised and initialised on the CPU) runs for real; an AdamW step on zero
+gradients creates the optimizer state. What comes out is that rank's local shard shapes and bytes, the bytes it
+actually allocated and the time its init took: the figures the planner (hybridpar.plan) must reproduce.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.distributed import MESH_AXES, resolve_degrees
-from hybridpar.models import build_model
+from hybridpar.startup import build_parallel_model
 from hybridpar.parallel import check_layout
 
 
@@ -38,7 +39,6 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0, gpus_per_node: int | No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from hybridpar.parallel import parallelize_gpt
 
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (it starts a fake one)")
@@ -52,17 +52,22 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0, gpus_per_node: int | No
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", degrees, mesh_dim_names=MESH_AXES)
-        model = parallelize_gpt(build_model(cfg.model, device="meta", init=False), mesh, cfg)
+        init_start = time.perf_counter()
+        # The trainer's own start-up: this rank's shards materialised on the CPU and initialised for real.
+        model = build_parallel_model(cfg, mesh, torch.device("cpu"))
+        init_seconds = time.perf_counter() - init_start
         params = dict(model.named_parameters())
+        materialized = sum(_nbytes(p) for p in params.values())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=False, foreach=False)
         for p in params.values():
             p.grad = torch.zeros_like(p)  # FSDP2 keeps each gradient sharded like its parameter
-        optimizer.step()  # creates AdamW's state, on meta
+        optimizer.step()  # creates AdamW's state
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         out = {
             "world_size": world_size, "rank": rank, "degrees": dict(zip(MESH_AXES, degrees)),
             "coords": {axis: mesh[axis].get_local_rank() for axis in MESH_AXES},
             "dry_run_params_bytes": sum(_nbytes(p) for p in params.values()),
+            "dry_run_materialized_bytes": materialized, "dry_run_init_seconds": init_seconds,
             "dry_run_grads_bytes": sum(_nbytes(p.grad) for p in params.values()),
             "dry_run_optimizer_bytes": sum(_nbytes(v) for v in state),
             "local_shapes": {n: tuple(_local(p).shape) for n, p in params.items()},

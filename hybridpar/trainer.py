@@ -31,10 +31,11 @@ from hybridpar.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger
 from hybridpar.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens, forward_backward_no_pipelining,
                                   logits_loss)
-from hybridpar.models import build_model, count_params
+from hybridpar.models import count_params
 from hybridpar.optim import build_optimizer, clip_grad_norm
 from hybridpar.parallel import check_layout, parallelize_gpt
 from hybridpar.sampling import generate
+from hybridpar.startup import build_parallel_model
 
 
 # DTensor warns when a norm reduces over two mesh axes with two all-reduces. Every rank still gets the same value
@@ -86,11 +87,11 @@ class Trainer:
         self.tokenizer = self.data.tokenizer
         t = cfg.train
 
-        # Model: every rank initialises the same full weights from the seed (so the initial model is bitwise the
-        # same for every layout), then parallelize() shards them. Known limit: the full model must fit in one
-        # device's memory at start-up; models beyond that need a meta-device init keyed by global position.
-        torch.manual_seed(t.seed)
-        self.model = parallelize(build_model(cfg.model, device=device), mesh, cfg)
+        # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
+        # with values keyed by global position, so the initial model is bitwise the same for every layout.
+        start = time.perf_counter()
+        self.model = build_parallel_model(cfg, mesh, device, parallelize)
+        self.init_seconds = time.perf_counter() - start
         self.optimizer = build_optimizer(self.model, cfg.optim)
         fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
@@ -197,7 +198,7 @@ class Trainer:
         self.log.print(f"{len(hosts)} rank(s) on {len(set(hosts))} host(s): "
                        + ", ".join(f"{h} x{hosts.count(h)}" for h in dict.fromkeys(hosts)))
         start = time.perf_counter()
-        if t.eval_interval and self.step == 0:
+        if t.eval_interval and self.step == 0 and t.steps > 0:  # (a seed-checkpoint start skips it)
             self._validate(result)
         last_time, last_step = time.perf_counter(), self.step
         profile_range, profiler = cfg.profile.range, None
@@ -227,7 +228,7 @@ class Trainer:
                 self.log.print(f"stop requested: leaving after step {self.step}")
                 break
         result.wall_time = time.perf_counter() - start
-        if t.sample_tokens and not result.preempted:
+        if t.sample_tokens and not result.preempted and self.step > 0:  # no sample of an untrained model
             result.sample = self.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)
             self.log.print(f"sample (temperature {t.sample_temperature}):\n{result.sample}")
         for hook in self.hooks:

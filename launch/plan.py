@@ -81,7 +81,8 @@ def print_report(out: dict) -> None:
           f"optimizer {out['optimizer_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}")
     if "dry_run_params_bytes" in out:
         print(f"dry run (rank {out['rank']}, coords {out['dry_run_coords']}, {out['dry_run_seconds']:.1f} s): "
-              f"params {g(out['dry_run_params_bytes'])}, grads {g(out['dry_run_grads_bytes'])}, optimizer "
+              f"params {g(out['dry_run_params_bytes'])} (materialised and initialised in "
+              f"{out['dry_run_init_seconds']:.1f} s), grads {g(out['dry_run_grads_bytes'])}, optimizer "
               f"{g(out['dry_run_optimizer_bytes'])} -> {'equal to the plan' if out['dry_run_matches'] else 'DIFFERS'}")
     if out["ranked"]:
         print("layouts that fit, fastest first (of this world, batch and model):")
@@ -105,9 +106,11 @@ def main(argv: list[str]) -> int:
 
             d = dry_run(cfg, layout.world, a.rank, a.gpus_per_node)
             out.update({k: d[k] for k in ("dry_run_params_bytes", "dry_run_grads_bytes", "dry_run_optimizer_bytes",
+                                          "dry_run_materialized_bytes", "dry_run_init_seconds",
                                           "dry_run_seconds")}, dry_run_coords=d["coords"],
                        dry_run_local_shapes=d["local_shapes"])
             out["dry_run_matches"] = (d["dry_run_params_bytes"] == out["params_bytes_per_gpu"]
+                                      and d["dry_run_materialized_bytes"] == out["params_bytes_per_gpu"]
                                       and d["dry_run_grads_bytes"] == out["grads_bytes_per_gpu"]
                                       and d["dry_run_optimizer_bytes"] == out["optimizer_bytes_per_gpu"])
     except (ConfigError, ValueError) as e:

@@ -38,15 +38,15 @@ def get_model_config(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides, "name": name})
 
 
-def build_model(config: ModelConfig, device: torch.device | str = "meta", init: bool = True) -> GPT:
+def build_model(config: ModelConfig, device: torch.device | str = "meta", init: bool = True, seed: int = 0) -> GPT:
     """Build the model on the meta device (no memory, no init cost), then materialise it on `device` and run
-    `init_weights()`. With device="meta" the model stays abstract (for counting or for sharding first)."""
+    `init_weights(seed)`. With device="meta" the model stays abstract (for counting or for sharding first)."""
     with torch.device("meta"):
         model = GPT(config)
     if str(device) != "meta":
         model.to_empty(device=device)
         if init:
-            model.init_weights()
+            model.init_weights(seed)
         else:
             model.tie_weights()
     return model

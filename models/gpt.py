@@ -17,6 +17,7 @@ from einops import rearrange
 from torch import nn
 
 from .config import ModelConfig
+from .init import keyed_normal_
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
@@ -181,21 +182,47 @@ class GPT(nn.Module):
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """GPT-2 init: every weight ~ N(0, init_std), residual output projections ~ N(0, init_std/sqrt(2L)) so the
-        residual stream's variance does not grow with depth (Radford et al. 2019); biases 0, norm gains 1."""
-        self.tie_weights()
+    def init_table(self) -> dict[str, tuple[str, float]]:
+        """How each parameter starts, by name: ("normal", std), ("zeros", 0) or ("ones", 0). GPT-2 init: every
+        weight ~ N(0, init_std), residual output projections ~ N(0, init_std/sqrt(2L)) so the residual stream's
+        variance does not grow with depth (Radford et al. 2019); biases 0, norm gains 1. A tied LM head is the
+        token embedding (listed once)."""
         std, resid_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        table = {}
         for name, mod in self.named_modules():
+            prefix = f"{name}." if name else ""
             if isinstance(mod, nn.Linear):
-                nn.init.normal_(mod.weight, 0.0, resid_std if name.endswith(("attn.wo", "mlp.down")) else std)
+                table[prefix + "weight"] = ("normal", resid_std if name.endswith(("attn.wo", "mlp.down")) else std)
                 if mod.bias is not None:
-                    nn.init.zeros_(mod.bias)
+                    table[prefix + "bias"] = ("zeros", 0.0)
             elif isinstance(mod, nn.Embedding):
-                nn.init.normal_(mod.weight, 0.0, std)
+                table[prefix + "weight"] = ("normal", std)
             elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
-                mod.reset_parameters()
+                if mod.weight is not None:
+                    table[prefix + "weight"] = ("ones", 0.0)
+                if getattr(mod, "bias", None) is not None:
+                    table[prefix + "bias"] = ("zeros", 0.0)
+        if self.cfg.tie_embeddings:
+            table.pop("lm_head.weight", None)
+        return table
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter by init_table(), the random ones keyed by (seed, name, position) so that a
+        sharded model initialised shard by shard gets the same values (models/init.py); then the buffers."""
+        self.tie_weights()
+        table = self.init_table()
+        for name, p in self.named_parameters():
+            kind, std = table[name]
+            if kind == "normal":
+                keyed_normal_(p, std, seed, name)
+            else:
+                p.fill_(1.0 if kind == "ones" else 0.0)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Non-parameter state computed from the config (RoPE tables)."""
         if self.cfg.position == "rope":
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
             self.rope_cos.copy_(cos)

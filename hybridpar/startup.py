@@ -1,0 +1,71 @@
+"""The one start-up path of a model (the trainer, the benchmark and the planner's dry run all use it).
+
+1. The model is built on the meta device: shapes only, no memory.
+2. It is parallelised there, in the fixed order (TP -> activation checkpointing -> compile -> FSDP): parameters
+   become DTensors that know their global shape and which part of it this rank holds.
+3. Each rank allocates only its own shards (`to_empty`) and initialises them: constants directly, random entries
+   with models/init.py's keyed tiles, which give every global position the same value whatever the layout.
+
+Memory bound: a rank holds its shards plus, transiently, one tensor's local shard in host memory (the staging
+buffer of models.init.keyed_normal_) and one tile (16 x 1024 fp32). Nothing full-size is ever built.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hybridpar.config import Config
+from hybridpar.models import build_model
+from hybridpar.models.init import keyed_normal_
+from hybridpar.parallel import parallelize_gpt
+
+# Module-name parts that wrappers insert (activation checkpointing, torch.compile): not part of a parameter's name.
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def plain_name(name: str) -> str:
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+@torch.no_grad()
+def init_sharded_(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter's local part (a DTensor's shard, or a whole plain tensor) as the unsharded model's
+    init_weights(seed) would have at those global positions, then the buffers."""
+    table = {plain_name(n): v for n, v in model.init_table().items()}
+    for name, p in model.named_parameters():
+        name = plain_name(name)
+        kind, std = table[name]
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if kind != "normal":
+            local.fill_(1.0 if kind == "ones" else 0.0)
+            continue
+        offset = None
+        if isinstance(p, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            assert tuple(shape) == tuple(local.shape), (name, shape, local.shape)
+        keyed_normal_(local, std, seed, name, tuple(p.shape), offset)
+    model.init_buffers()
+
+
+def build_parallel_model(cfg: Config, mesh: DeviceMesh, device: torch.device,
+                         parallelize: Callable[[nn.Module, DeviceMesh, Config], nn.Module] = parallelize_gpt,
+                         init: bool = True) -> nn.Module:
+    """cfg's model, parallelised over `mesh` on the meta device, then only this rank's shards materialised on
+    `device` and (with init) initialised from cfg.train.seed, layout-invariantly."""
+    model = parallelize(build_model(cfg.model, device="meta", init=False), mesh, cfg)
+    model.to_empty(device=device)
+    if cfg.model.tie_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
+        model.tie_weights()  # to_empty of an unwrapped module makes new Parameters (FSDP2's swap keeps them tied)
+    if init:
+        init_sharded_(model, cfg.train.seed)
+    else:
+        model.init_buffers()
+    return model
