@@ -70,6 +70,8 @@ class TrainConfig:
     loss_chunk_tokens: int = doc(4096, "with tp = 1: LM head + cross entropy fused, in chunks of this many tokens, so "
                                        "the [tokens, vocab] logits never exist at once; 0 = plain logits then loss "
                                        "(tp > 1 always uses the vocab-parallel loss)")
+    memory_check: bool = doc(True, "on a GPU, refuse to start when the planner's per-GPU total exceeds the device's "
+                                   "usable memory (and name the best layout that fits); false starts anyway")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables clipping")
     max_skipped_steps: int = doc(5, "optimizer steps with a non-finite gradient norm are skipped; more than this "
                                     "many in a row stop the run")

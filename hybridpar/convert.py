@@ -48,55 +48,97 @@ def _halves_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, hd // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-def to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
-    """(transformers config, HF state dict) of a hybridpar model."""
-    fam = family(cfg)
-    out = {}
+# -- the mapping, written once per family and used in both directions ---------------------------------------------
+# A rule: (our names, their name, transform). A transform is a pair of functions of (tensors, cfg): `to` makes their
+# tensor from ours, `back` makes our tensors (a list) from theirs. {i} stands for the block index.
+SAME = (lambda ts, cfg: ts[0], lambda t, cfg: [t])
+CONV1D = (lambda ts, cfg: ts[0].t(), lambda t, cfg: [t.t()])  # GPT-2's Conv1D stores (in, out)
+FUSED_QKV_CONV1D = (lambda ts, cfg: torch.cat(ts).t(), lambda t, cfg: list(t.t().split(cfg.d_model)))
+FUSED_QKV_BIAS = (lambda ts, cfg: torch.cat(ts), lambda t, cfg: list(t.split(cfg.d_model)))
+# RoPE: hybridpar rotates interleaved pairs, transformers' Llama rotates halves; the rows of q and k are permuted.
+ROPE_Q = (lambda ts, cfg: _interleaved_to_halves(ts[0], cfg.n_heads),
+          lambda t, cfg: [_halves_to_interleaved(t, cfg.n_heads)])
+ROPE_K = (lambda ts, cfg: _interleaved_to_halves(ts[0], cfg.kv_heads),
+          lambda t, cfg: [_halves_to_interleaved(t, cfg.kv_heads)])
+
+_QKV = ["layers.{i}.attn.wq", "layers.{i}.attn.wk", "layers.{i}.attn.wv"]
+TENSOR_RULES = {
+    "gpt2": [
+        (["tok_embeddings.weight"], "transformer.wte.weight", SAME),
+        (["pos_embeddings.weight"], "transformer.wpe.weight", SAME),
+        (["layers.{i}.attn_norm.weight"], "transformer.h.{i}.ln_1.weight", SAME),
+        (["layers.{i}.attn_norm.bias"], "transformer.h.{i}.ln_1.bias", SAME),
+        ([n + ".weight" for n in _QKV], "transformer.h.{i}.attn.c_attn.weight", FUSED_QKV_CONV1D),
+        ([n + ".bias" for n in _QKV], "transformer.h.{i}.attn.c_attn.bias", FUSED_QKV_BIAS),
+        (["layers.{i}.attn.wo.weight"], "transformer.h.{i}.attn.c_proj.weight", CONV1D),
+        (["layers.{i}.attn.wo.bias"], "transformer.h.{i}.attn.c_proj.bias", SAME),
+        (["layers.{i}.mlp_norm.weight"], "transformer.h.{i}.ln_2.weight", SAME),
+        (["layers.{i}.mlp_norm.bias"], "transformer.h.{i}.ln_2.bias", SAME),
+        (["layers.{i}.mlp.up.weight"], "transformer.h.{i}.mlp.c_fc.weight", CONV1D),
+        (["layers.{i}.mlp.up.bias"], "transformer.h.{i}.mlp.c_fc.bias", SAME),
+        (["layers.{i}.mlp.down.weight"], "transformer.h.{i}.mlp.c_proj.weight", CONV1D),
+        (["layers.{i}.mlp.down.bias"], "transformer.h.{i}.mlp.c_proj.bias", SAME),
+        (["norm.weight"], "transformer.ln_f.weight", SAME),
+        (["norm.bias"], "transformer.ln_f.bias", SAME),
+    ],
+    "llama": [
+        (["tok_embeddings.weight"], "model.embed_tokens.weight", SAME),
+        (["layers.{i}.attn_norm.weight"], "model.layers.{i}.input_layernorm.weight", SAME),
+        (["layers.{i}.attn.wq.weight"], "model.layers.{i}.self_attn.q_proj.weight", ROPE_Q),
+        (["layers.{i}.attn.wk.weight"], "model.layers.{i}.self_attn.k_proj.weight", ROPE_K),
+        (["layers.{i}.attn.wv.weight"], "model.layers.{i}.self_attn.v_proj.weight", SAME),
+        (["layers.{i}.attn.wo.weight"], "model.layers.{i}.self_attn.o_proj.weight", SAME),
+        (["layers.{i}.mlp_norm.weight"], "model.layers.{i}.post_attention_layernorm.weight", SAME),
+        (["layers.{i}.mlp.gate.weight"], "model.layers.{i}.mlp.gate_proj.weight", SAME),
+        (["layers.{i}.mlp.up.weight"], "model.layers.{i}.mlp.up_proj.weight", SAME),
+        (["layers.{i}.mlp.down.weight"], "model.layers.{i}.mlp.down_proj.weight", SAME),
+        (["norm.weight"], "model.norm.weight", SAME),
+        (["lm_head.weight"], "lm_head.weight", SAME),  # untied only (see _rules)
+    ],
+}
+# Config fields: (ours, theirs). Fixed values of each family (architecture, activation) are in _hf_config.
+CONFIG_FIELDS = {
+    "gpt2": [("n_layers", "n_layer"), ("d_model", "n_embd"), ("n_heads", "n_head"), ("ffn_hidden_size", "n_inner"),
+             ("vocab_size", "vocab_size"), ("max_seq_len", "n_positions"), ("norm_eps", "layer_norm_epsilon")],
+    "llama": [("n_layers", "num_hidden_layers"), ("d_model", "hidden_size"), ("n_heads", "num_attention_heads"),
+              ("n_kv_heads", "num_key_value_heads"), ("ffn_hidden_size", "intermediate_size"),
+              ("vocab_size", "vocab_size"), ("max_seq_len", "max_position_embeddings"), ("norm_eps", "rms_norm_eps"),
+              ("rope_theta", "rope_theta"), ("tie_embeddings", "tie_word_embeddings")],
+}
+
+
+def _rules(fam: str, cfg: ModelConfig):
+    """The family's rules expanded over the blocks; a tied LM head has no rule of its own."""
+    for ours, theirs, transform in TENSOR_RULES[fam]:
+        if ours == ["lm_head.weight"] and cfg.tie_embeddings:
+            continue
+        for i in (range(cfg.n_layers) if "{i}" in theirs else [None]):
+            yield [o.format(i=i) for o in ours], theirs.format(i=i), transform
+
+
+def _hf_config(fam: str, cfg: ModelConfig):
+    values = {theirs: getattr(cfg, ours) for ours, theirs in CONFIG_FIELDS[fam]}
     if fam == "gpt2":
         from transformers import GPT2Config
 
-        hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model,
-                            n_layer=cfg.n_layers, n_head=cfg.n_heads, n_inner=cfg.ffn_dim,
-                            activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout,
-                            embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, tie_word_embeddings=True,
-                            architectures=["GPT2LMHeadModel"])
-        out["transformer.wte.weight"] = sd["tok_embeddings.weight"]
-        out["transformer.wpe.weight"] = sd["pos_embeddings.weight"]
-        for i in range(cfg.n_layers):
-            p, h = f"layers.{i}.", f"transformer.h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                out[h + theirs + ".weight"], out[h + theirs + ".bias"] = sd[p + ours + ".weight"], sd[p + ours + ".bias"]
-            qkv = [sd[p + f"attn.{n}.weight"] for n in ("wq", "wk", "wv")]
-            out[h + "attn.c_attn.weight"] = torch.cat(qkv).t().contiguous()  # Conv1D: (in, out)
-            out[h + "attn.c_attn.bias"] = torch.cat([sd[p + f"attn.{n}.bias"] for n in ("wq", "wk", "wv")])
-            for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.up", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
-                out[h + theirs + ".weight"] = sd[p + ours + ".weight"].t().contiguous()
-                out[h + theirs + ".bias"] = sd[p + ours + ".bias"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = sd["norm.weight"], sd["norm.bias"]
-        out["lm_head.weight"] = sd["tok_embeddings.weight"]
-        return hf_cfg, out
+        values["n_inner"] = cfg.ffn_dim
+        return GPT2Config(**values, activation_function="gelu_new", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                          attn_pdrop=cfg.dropout, tie_word_embeddings=True, architectures=["GPT2LMHeadModel"])
     from transformers import LlamaConfig
 
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.ffn_dim,
-                         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                         num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
-                         max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-                         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
-                         mlp_bias=False, architectures=["LlamaForCausalLM"])
-    out["model.embed_tokens.weight"] = sd["tok_embeddings.weight"]
-    for i in range(cfg.n_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = sd[p + "attn_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[p + "mlp_norm.weight"]
-        out[h + "self_attn.q_proj.weight"] = _interleaved_to_halves(sd[p + "attn.wq.weight"], cfg.n_heads)
-        out[h + "self_attn.k_proj.weight"] = _interleaved_to_halves(sd[p + "attn.wk.weight"], cfg.kv_heads)
-        out[h + "self_attn.v_proj.weight"] = sd[p + "attn.wv.weight"]
-        out[h + "self_attn.o_proj.weight"] = sd[p + "attn.wo.weight"]
-        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            out[h + f"mlp.{theirs}.weight"] = sd[p + f"mlp.{ours}.weight"]
-    out["model.norm.weight"] = sd["norm.weight"]
-    out["lm_head.weight"] = sd["lm_head.weight"]
-    return hf_cfg, out
+    values["num_key_value_heads"] = cfg.kv_heads
+    return LlamaConfig(**values, head_dim=cfg.head_dim, hidden_act="silu", attention_bias=False, mlp_bias=False,
+                       architectures=["LlamaForCausalLM"])
+
+
+def to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+    """(transformers config, HF state dict) of a hybridpar model. A tied LM head is written as the embedding
+    (transformers re-ties it)."""
+    fam = family(cfg)
+    out = {theirs: to(([sd[o] for o in ours]), cfg).contiguous() for ours, theirs, (to, _) in _rules(fam, cfg)}
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["tok_embeddings.weight"]
+    return _hf_config(fam, cfg), out
 
 
 def from_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -132,55 +174,29 @@ def from_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
 
 def _from_hf(c: dict, hf: dict, hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    sd = {}
     arch = (c.get("architectures") or [c.get("model_type")])[0]
-    if c.get("model_type") == "gpt2":
-        cfg = ModelConfig(name="gpt2-124m", n_layers=c["n_layer"], d_model=c["n_embd"], n_heads=c["n_head"],
-                          ffn_hidden_size=c.get("n_inner") or 4 * c["n_embd"], vocab_size=c["vocab_size"],
-                          max_seq_len=c["n_positions"], norm_eps=c["layer_norm_epsilon"], dropout=0.0, **GPT2_KEYS)
-        pre = "transformer." if "transformer.wte.weight" in hf else ""
-        sd["tok_embeddings.weight"] = hf[pre + "wte.weight"]
-        sd["pos_embeddings.weight"] = hf[pre + "wpe.weight"]
-        H = cfg.d_model
-        for i in range(cfg.n_layers):
-            p, h = f"layers.{i}.", f"{pre}h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                sd[p + ours + ".weight"], sd[p + ours + ".bias"] = hf[h + theirs + ".weight"], hf[h + theirs + ".bias"]
-            w, b = hf[h + "attn.c_attn.weight"].t(), hf[h + "attn.c_attn.bias"]
-            for j, n in enumerate(("wq", "wk", "wv")):
-                sd[p + f"attn.{n}.weight"] = w[j * H:(j + 1) * H].contiguous()
-                sd[p + f"attn.{n}.bias"] = b[j * H:(j + 1) * H].contiguous()
-            for ours, theirs in (("attn.wo", "attn.c_proj"), ("mlp.up", "mlp.c_fc"), ("mlp.down", "mlp.c_proj")):
-                sd[p + ours + ".weight"] = hf[h + theirs + ".weight"].t().contiguous()
-                sd[p + ours + ".bias"] = hf[h + theirs + ".bias"]
-        sd["norm.weight"], sd["norm.bias"] = hf[pre + "ln_f.weight"], hf[pre + "ln_f.bias"]
-        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
-    elif c.get("model_type") == "llama":
-        cfg = ModelConfig(name="gpt-modern-1b", n_layers=c["num_hidden_layers"], d_model=c["hidden_size"],
-                          n_heads=c["num_attention_heads"], n_kv_heads=c.get("num_key_value_heads"),
-                          ffn_hidden_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-                          max_seq_len=c["max_position_embeddings"], norm_eps=c["rms_norm_eps"],
-                          rope_theta=c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-                          tie_embeddings=c.get("tie_word_embeddings", False), dropout=0.0, **LLAMA_KEYS)
+    fam = {"gpt2": "gpt2", "llama": "llama"}.get(c.get("model_type"))
+    if fam is None:
+        raise CheckpointError(f"{hf_dir}: architecture {arch!r} is not supported; hybridpar converts GPT2LMHeadModel "
+                              f"and LlamaForCausalLM")
+    fields = {ours: c[theirs] for ours, theirs in CONFIG_FIELDS[fam] if theirs in c and c[theirs] is not None}
+    if fam == "gpt2":
+        fields.setdefault("ffn_hidden_size", 4 * fields["d_model"])
+        cfg = ModelConfig(name="gpt2-124m", dropout=0.0, **{**fields, **GPT2_KEYS})
+        if "transformer.wte.weight" not in hf:  # saved from GPT2Model (no "transformer." prefix)
+            hf = {"transformer." + k: v for k, v in hf.items()}
+    else:
+        fields.setdefault("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        fields.setdefault("tie_embeddings", False)
+        cfg = ModelConfig(name="gpt-modern-1b", dropout=0.0, **{**fields, **LLAMA_KEYS})
         if c.get("head_dim") not in (None, cfg.head_dim):
             raise CheckpointError(f"{hf_dir}: head_dim {c['head_dim']} != hidden_size / heads = {cfg.head_dim}; "
-                             f"hybridpar's GPT needs d_model = n_heads x head_dim")
-        sd["tok_embeddings.weight"] = hf["model.embed_tokens.weight"]
-        for i in range(cfg.n_layers):
-            p, h = f"layers.{i}.", f"model.layers.{i}."
-            sd[p + "attn_norm.weight"] = hf[h + "input_layernorm.weight"]
-            sd[p + "mlp_norm.weight"] = hf[h + "post_attention_layernorm.weight"]
-            sd[p + "attn.wq.weight"] = _halves_to_interleaved(hf[h + "self_attn.q_proj.weight"], cfg.n_heads)
-            sd[p + "attn.wk.weight"] = _halves_to_interleaved(hf[h + "self_attn.k_proj.weight"], cfg.kv_heads)
-            sd[p + "attn.wv.weight"] = hf[h + "self_attn.v_proj.weight"]
-            sd[p + "attn.wo.weight"] = hf[h + "self_attn.o_proj.weight"]
-            for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-                sd[p + f"mlp.{ours}.weight"] = hf[h + f"mlp.{theirs}.weight"]
-        sd["norm.weight"] = hf["model.norm.weight"]
-        sd["lm_head.weight"] = hf.get("lm_head.weight", sd["tok_embeddings.weight"])
-    else:
-        raise CheckpointError(f"{hf_dir}: architecture {arch!r} is not supported; hybridpar converts GPT2LMHeadModel "
-                         f"and LlamaForCausalLM")
+                                  f"hybridpar's GPT needs d_model = n_heads x head_dim")
+    sd = {}
+    for ours, theirs, (_, back) in _rules(fam, cfg):
+        sd.update(zip(ours, back(hf[theirs], cfg)))
+    if cfg.tie_embeddings or "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["tok_embeddings.weight"]
     cfg.validate()
     return cfg, {k: v.contiguous() for k, v in sd.items()}
 

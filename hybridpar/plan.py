@@ -14,12 +14,15 @@ rank = (rep * dp_shard + shard) * tp + tp_rank. Rank 0 holds the largest shards 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
+from torch import nn
+
 from hybridpar.config import Config
+from hybridpar.errors import ConfigError
 from hybridpar.flops import flops_per_token
-from hybridpar.models import ModelConfig
+from hybridpar.models import ModelConfig, build_model
 from hybridpar.parallel import uses_fsdp
 
 GIB = 2 ** 30
@@ -66,36 +69,43 @@ class ParamSpec:
     block: int | None   # transformer block index (None: the root: embeddings, final norm, LM head)
 
 
+def _tp_dim(style, module: nn.Module, leaf: str) -> int | None:
+    """The dim a DTensor TP style shards a parameter on: column-parallel linears split their output features
+    (weight dim 0, bias dim 0), row-parallel linears their input features (weight dim 1, bias replicated), and a
+    row-wise embedding its vocabulary rows (dim 0). Other styles (sequence parallel, input/output preparation)
+    move activations only."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(module, nn.Embedding):
+        return {RowwiseParallel: 0, ColwiseParallel: 1}.get(type(style))
+    if isinstance(style, ColwiseParallel):
+        return 0
+    if isinstance(style, RowwiseParallel):
+        return 1 if leaf == "weight" else None
+    return None
+
+
 def param_specs(m: ModelConfig, layers: range | None = None) -> list[ParamSpec]:
-    """Every parameter of hybridpar's GPT (tied ones once), with the dim the TP plan shards it on; `layers`
-    restricts the blocks listed (all by default)."""
-    H, hd, F, V = m.d_model, m.head_dim, m.ffn_dim, m.vocab_size
-    specs = [ParamSpec("tok_embeddings.weight", (V, H), 0, None)]
-    if m.position == "learned":
-        specs.append(ParamSpec("pos_embeddings.weight", (m.max_seq_len, H), None, None))
-    norm = ["weight", "bias"] if (m.norm == "layernorm" and m.bias) else ["weight"]
-    col = {"attn.wq": m.n_heads * hd, "attn.wk": m.kv_heads * hd, "attn.wv": m.kv_heads * hd}
-    for i in (range(m.n_layers) if layers is None else layers):
-        p = f"layers.{i}."
-        specs += [ParamSpec(f"{p}attn_norm.{w}", (H,), None, i) for w in norm]
-        for name, out in col.items():
-            specs.append(ParamSpec(f"{p}{name}.weight", (out, H), 0, i))
-            if m.bias:
-                specs.append(ParamSpec(f"{p}{name}.bias", (out,), 0, i))
-        specs.append(ParamSpec(f"{p}attn.wo.weight", (H, m.n_heads * hd), 1, i))
-        if m.bias:
-            specs.append(ParamSpec(f"{p}attn.wo.bias", (H,), None, i))
-        specs += [ParamSpec(f"{p}mlp_norm.{w}", (H,), None, i) for w in norm]
-        for name in (["mlp.gate"] if m.mlp == "swiglu" else []) + ["mlp.up"]:
-            specs.append(ParamSpec(f"{p}{name}.weight", (F, H), 0, i))
-            if m.bias:
-                specs.append(ParamSpec(f"{p}{name}.bias", (F,), 0, i))
-        specs.append(ParamSpec(f"{p}mlp.down.weight", (H, F), 1, i))
-        if m.bias:
-            specs.append(ParamSpec(f"{p}mlp.down.bias", (H,), None, i))
-    specs += [ParamSpec(f"norm.{w}", (H,), None, None) for w in norm]
-    if not m.tie_embeddings:
-        specs.append(ParamSpec("lm_head.weight", (V, H), 0, None))
+    """Every parameter of hybridpar's GPT (tied ones once), read from the model itself, built on the meta device,
+    with the dim the TP plan (hybridpar.parallel.tensor_parallel.gpt_tp_plan) shards it on; `layers` restricts the
+    blocks listed (all by default)."""
+    from hybridpar.parallel.tensor_parallel import gpt_tp_plan
+
+    n_layers = m.n_layers if layers is None else max(layers) + 1
+    model = build_model(replace(m, n_layers=n_layers), device="meta", init=False)
+    top, block = gpt_tp_plan(model, sequence_parallel=True)
+    specs = []
+    for name, p in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        index = None
+        if module_name.startswith("layers."):
+            _, i, inner = module_name.split(".", 2)
+            index, style = int(i), block.get(inner)
+            if layers is not None and index not in layers:
+                continue
+        else:
+            style = top.get(module_name)
+        specs.append(ParamSpec(name, tuple(p.shape), _tp_dim(style, model.get_submodule(module_name), leaf), index))
     return specs
 
 
@@ -390,3 +400,26 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
     # kernels run closer to peak on bigger matrices, then the smaller memory.
     rows.sort(key=lambda r: (-round(r["tokens_per_sec"], 6), -r["micro_batch_size"], r["total_gib"]))
     return rows[:top]
+
+
+def refuse_if_too_big(cfg: Config, layout: Layout, device_bytes: int, gpus_per_node: int, gpu: GPU,
+                      device_name: str = "this GPU") -> None:
+    """Before anything is allocated: ConfigError (one line) when the planned per-GPU total exceeds what a device of
+    `device_bytes` can hold, naming the planned figure and the fastest layout of this world that fits."""
+    need = memory(cfg, layout)["total_bytes_per_gpu"]
+    usable = device_bytes - int(RESERVED_GIB * GIB)
+    if need <= usable:
+        return
+    fitted = replace(gpu, memory_gib=device_bytes / GIB)
+    best = rank_layouts(cfg, layout.world, gpus_per_node, fitted, top=1)
+    if best:
+        b = best[0]
+        hint = (f"the planner's fastest layout that fits: --parallel.dp_replicate {b['dp_replicate']} "
+                f"--parallel.dp_shard {b['dp_shard']} --parallel.tp {b['tp']} --train.micro_batch_size "
+                f"{b['micro_batch_size']} --train.activation_checkpointing {b['activation_checkpointing']}"
+                + (f" --parallel.fsdp_strategy {b['fsdp_strategy']}" if b["fsdp_strategy"] != "-" else "")
+                + f" ({b['total_gib']:.1f} GiB)")
+    else:
+        hint = f"no layout of {layout.world} GPU(s) fits this model and batch: add GPUs or shrink the model"
+    raise ConfigError(f"the plan needs {need / GIB:.1f} GiB per GPU but {device_name} has {usable / GIB:.1f} GiB "
+                      f"usable; {hint}; --train.memory_check false starts anyway")

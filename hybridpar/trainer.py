@@ -72,7 +72,7 @@ def resolve_precision(cfg: Config, device: torch.device) -> str:
 class Trainer:
     def __init__(self, cfg: Config, mesh: DeviceMesh, device: torch.device, run_dir: Path,
                  parallelize: Callable[[nn.Module, DeviceMesh, Config], nn.Module] = parallelize_gpt,
-                 hooks: list[Hook] = (), logger: MetricsLogger | None = None):
+                 hooks: list[Hook] = (), logger: MetricsLogger | None = None, init_weights: bool = True):
         self.cfg, self.mesh, self.device, self.run_dir, self.hooks = cfg, mesh, device, run_dir, list(hooks)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = dp_rank_size(mesh)
@@ -87,10 +87,17 @@ class Trainer:
         self.tokenizer = self.data.tokenizer
         t = cfg.train
 
+        if device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, before allocating anything
+            from hybridpar.plan import GPUS, Layout, refuse_if_too_big
+
+            name = torch.cuda.get_device_name(device)
+            gpu = next((g for key, g in GPUS.items() if key in name.lower()), GPUS["h100"])
+            refuse_if_too_big(cfg, Layout(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), self.tp),
+                              torch.cuda.get_device_properties(device).total_memory, gpus_per_node, gpu, name)
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
         start = time.perf_counter()
-        self.model = build_parallel_model(cfg, mesh, device, parallelize)
+        self.model = build_parallel_model(cfg, mesh, device, parallelize, init=init_weights)
         self.init_seconds = time.perf_counter() - start
         self.optimizer = build_optimizer(self.model, cfg.optim)
         fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does

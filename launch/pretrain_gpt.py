@@ -113,7 +113,9 @@ def main(cfg: Config) -> TrainResult:
         lock = lock_run_dir(cfg, world.rank)  # a run owns its run dir from here to its exit
         run_dir, load_from = prepare_run_dir(cfg)
         checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
-        trainer = Trainer(cfg, mesh, device, run_dir, hooks=[CheckpointHook(checkpointer, cfg.checkpoint.interval)])
+        # Weights about to be loaded are not initialised first: each rank reads its shards into the meta-built model.
+        trainer = Trainer(cfg, mesh, device, run_dir, hooks=[CheckpointHook(checkpointer, cfg.checkpoint.interval)],
+                          init_weights=load_from is None)
         data_changes = []
         if load_from is not None:
             data_changes = checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)

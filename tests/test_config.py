@@ -116,7 +116,7 @@ def test_cli_help_lists_fields():
     assert out.returncode == 0
     for k in REQUIRED_KEYS:
         assert f"--{k} " in out.stdout
-    assert "optimizer steps to run (default: 200)" in out.stdout
+    assert "writes the initial weights as a seed checkpoint (step 0) and stops (default: 200)" in out.stdout
 
 
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):

@@ -65,7 +65,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, 
 
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
-    """Apply hybridpar's parallelism and memory/speed wrappers to an initialised GPT, in place."""
+    """Apply hybridpar's parallelism and memory/speed wrappers to a GPT on the meta device, in place (each rank then
+    materialises only its shards: hybridpar.startup)."""
     tp, dp = mesh["tp"].size(), mesh["dp_replicate"].size() * mesh["dp_shard"].size()
     if tp > 1:
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)

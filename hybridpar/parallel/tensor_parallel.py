@@ -62,7 +62,7 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict, dict]:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` (already initialised: every rank holds the same full weights) over the tp mesh, in place."""
+    """Shard `model` (on the meta device, before its shards are materialised) over the tp mesh, in place."""
     top, block = gpt_tp_plan(model, sequence_parallel)
     if model.cfg.tie_embeddings:  # give the LM head its own Parameter to shard; re-tied below
         model.lm_head.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())

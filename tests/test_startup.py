@@ -1,0 +1,126 @@
+"""Start-up at scale: keyed initialisation that does not depend on the layout, the same global initial weights for
+1 process and every (dp_replicate, dp_shard, tp) layout (seed checkpoints of real gloo runs), a start-up memory
+bound far below one full copy per rank, and the planner's dry run materialising what the plan says."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from conftest import run_cli
+from hybridpar.checkpoint import checkpoint_dir, load_full_model_state, read_trainer_state
+from hybridpar.models import build_model, count_params, get_model_config
+from hybridpar.models.init import TILE_COLS, TILE_ROWS, keyed_normal_
+
+
+def test_any_block_of_a_keyed_tensor_equals_that_block_of_the_whole():
+    shape = (3 * TILE_ROWS + 5, 2 * TILE_COLS + 7)  # ragged edges on both dims
+    whole = keyed_normal_(torch.empty(shape), 0.02, seed=7, key="w")
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):  # random rectangles, as row shards, column shards or both would hold
+        r0, c0 = (int(torch.randint(0, n, (1,), generator=g)) for n in shape)
+        h = int(torch.randint(1, shape[0] - r0 + 1, (1,), generator=g))
+        w = int(torch.randint(1, shape[1] - c0 + 1, (1,), generator=g))
+        part = keyed_normal_(torch.empty(h, w), 0.02, seed=7, key="w", global_shape=shape, offset=(r0, c0))
+        assert torch.equal(part, whole[r0:r0 + h, c0:c0 + w])
+    vec = keyed_normal_(torch.empty(5000), 1.0, seed=7, key="v")
+    assert torch.equal(keyed_normal_(torch.empty(1000), 1.0, 7, "v", (5000,), (1234,)), vec[1234:2234])
+    # A normal distribution with the asked std (hand reference: 5000 draws, mean and std within a few sigma).
+    assert abs(float(vec.mean())) < 4 / math.sqrt(5000) and abs(float(vec.std()) - 1.0) < 0.05
+    # The key and the seed matter; the tensor's dtype and device do not change the values.
+    assert not torch.equal(keyed_normal_(torch.empty(5000), 1.0, 7, "u"), vec)
+    assert not torch.equal(keyed_normal_(torch.empty(5000), 1.0, 8, "v"), vec)
+    assert torch.equal(keyed_normal_(torch.empty(5000, dtype=torch.float64), 1.0, 7, "v").float(), vec)
+
+
+def _seed_checkpoint(tmp_path, cache_dir, name, layout=None):
+    run_dir = tmp_path / name
+    args = ["launch/pretrain_gpt.py", "--model.n_layers", "2", "--train.steps", "0", "--checkpoint.interval", "1",
+            "--train.global_batch_size", "8", "--train.seq_len", "64", "--train.precision", "fp32",
+            "--logging.wandb.mode", "disabled", "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)]
+    if layout is not None:
+        r, s, t = layout
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={r * s * t}", *args,
+                "--parallel.dp_replicate", str(r), "--parallel.dp_shard", str(s), "--parallel.tp", str(t)]
+    out = run_cli(args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ckpt = checkpoint_dir(run_dir, 0)
+    assert read_trainer_state(ckpt) == {"step": 0, "consumed_samples": 0, "skipped": 0, "skip_streak": 0}
+    return load_full_model_state(ckpt)
+
+
+@pytest.fixture(scope="module")
+def one_process_init(tmp_path_factory, cache_dir):
+    return _seed_checkpoint(tmp_path_factory.mktemp("seed"), cache_dir, "single")
+
+
+def test_seed_checkpoint_holds_the_models_own_init(one_process_init):
+    # Second path to the same numbers: the plain model's init_weights(seed), no trainer, no checkpoint.
+    want = build_model(get_model_config("tiny", n_layers=2), device="cpu", seed=1234).state_dict()
+    got = one_process_init
+    assert "tok_embeddings.weight" in got and set(got) <= set(want)
+    for k, v in got.items():
+        assert torch.equal(v, want[k]), k
+
+
+@pytest.mark.parametrize("layout", [(1, 4, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1)], ids=lambda l: "r%ds%dt%d" % l)
+def test_initial_weights_are_bitwise_equal_for_every_layout(layout, one_process_init, tmp_path, cache_dir):
+    got = _seed_checkpoint(tmp_path, cache_dir, "sharded", layout)
+    assert set(got) == set(one_process_init)
+    for k, v in one_process_init.items():
+        assert torch.equal(got[k], v), k
+
+
+MEASURE = """
+import resource, subprocess, sys
+rc = subprocess.run(sys.argv[1:]).returncode
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)  # the largest process: one rank (Linux: KiB)
+sys.exit(rc)
+"""
+
+
+def test_start_up_memory_per_rank_is_a_shard_not_the_model(tmp_path, cache_dir):
+    """gpt2-774m on 4 ranks (dp_shard 4) writes its seed checkpoint: each rank's peak RSS stays within a quarter of
+    the fp32 weights plus 1 GiB (one full copy per rank, as before, was 4.4-4.8 GB)."""
+    run_dir = tmp_path / "big"
+    out = run_cli(["-c", MEASURE, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc_per_node=4", "launch/pretrain_gpt.py", "--model.name", "gpt2-774m", "--train.steps", "0",
+                   "--checkpoint.interval", "1", "--train.global_batch_size", "4", "--train.seq_len", "64",
+                   "--train.precision", "fp32", "--logging.wandb.mode", "disabled", "--data.cache_dir",
+                   str(cache_dir), "--run.dir", str(run_dir)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    peak = int(out.stdout.strip().splitlines()[-1])
+    weights = 4 * count_params(get_model_config("gpt2-774m"))
+    assert peak <= weights / 4 + 2 ** 30, (peak, weights)
+    assert (checkpoint_dir(run_dir, 0) / "COMPLETE").is_file()
+
+
+def test_dry_run_of_175b_at_1024_ranks_materialises_the_planned_bytes():
+    out = run_cli(["launch/plan.py", "--config", "configs/gpt3-175b.yaml", "--cluster.nodes", "128",
+                   "--cluster.gpus_per_node", "8", "--dry-run", "--rank", "1023", "--json"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["dry_run_materialized_bytes"] == r["params_bytes_per_gpu"] > 0 and r["dry_run_matches"]
+    assert r["dry_run_init_seconds"] > 0
+
+
+def test_a_layout_that_cannot_fit_is_refused_with_one_that_does():
+    from hybridpar.config_cli import load_config
+    from hybridpar.errors import ConfigError
+    from hybridpar.plan import GIB, GPUS, Layout, refuse_if_too_big
+
+    cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "8",
+                       "--train.micro_batch_size", "8", "--train.precision", "bf16"])
+    # Hand lower bound: fp32 weights + fp32 gradients + two AdamW moments = 16 bytes per parameter.
+    floor = 16 * count_params(cfg.model) / GIB
+    with pytest.raises(ConfigError, match=r"the plan needs (\d+\.\d) GiB per GPU but A100-40GB has 37.0 GiB usable; "
+                                          r"the planner's fastest layout that fits: .*--train.micro_batch_size 4") as e:
+        refuse_if_too_big(cfg, Layout(1, 1, 1), 40 * GIB, 1, GPUS["a100"], "A100-40GB")
+    assert float(str(e.value).split("needs ")[1].split(" GiB")[0]) > floor
+    with pytest.raises(ConfigError, match="no layout of 1 GPU.s. fits this model and batch"):
+        refuse_if_too_big(cfg, Layout(1, 1, 1), 16 * GIB, 1, GPUS["a100"], "a 16 GiB GPU")
+    refuse_if_too_big(cfg, Layout(1, 1, 1), 141 * GIB, 1, GPUS["h200"], "H200")  # fits: no error
