@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from hybridpar.resume_checks import check_model_config, data_changes
 from hybridpar.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader, read_metadata,
                                  unwrap_checkpoint_exception)
 
@@ -259,7 +260,7 @@ class Checkpointer:
                 del state["trainer"]["skip_streak"]
         try:
             dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
-        except (Exception, CheckpointException) as e:  # DCP wraps every rank's error; surface ours as the one line it is
+        except (Exception, CheckpointException) as e:  # DCP wraps every rank's error; ours is one line
             inner = unwrap_checkpoint_exception(e)
             if inner is e:
                 raise
@@ -286,73 +287,6 @@ class Checkpointer:
         return changes
 
 
-def read_checkpoint_config(path: Path) -> dict | None:
-    """The resolved config a checkpoint (or run dir) was saved with, as a plain dict; None if it has none. YAML is
-    read with the safe loader (no Python tags); a damaged file is a one-line CheckpointError."""
-    import yaml
-
-    cfg_file = Path(path) / "config.yaml"
-    if not cfg_file.is_file():
-        return None
-    try:
-        saved = yaml.safe_load(cfg_file.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"{cfg_file} is not a config hybridpar wrote ({first}); restore it from the run's "
-                              f"config.yaml or use another checkpoint") from None
-    if not isinstance(saved, dict) or not all(isinstance(saved.get(k, {}), dict) for k in ("model", "train", "data")):
-        raise CheckpointError(f"{cfg_file} is not a config hybridpar wrote (not a mapping of sections); restore it "
-                              f"from the run's config.yaml or use another checkpoint")
-    return saved
-
-
-# What the consumed-samples position means: change any of these and the same position indexes other samples.
-DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data", "split"), ("data", "tokenizer"))
-
-
-def data_changes(path: Path, cfg, tokenizer_fingerprint: str | None) -> list[str]:
-    """The data-defining settings in which `cfg` differs from checkpoint `path`, as 'field: checkpoint X vs now Y'."""
-    saved = read_checkpoint_config(path) or {}
-    from hybridpar.config_cli import to_dict
-
-    now = to_dict(cfg)
-    diff = [f"{a}.{b}: checkpoint {saved[a][b]!r} vs now {now[a][b]!r}" for a, b in DATA_FIELDS
-            if b in saved.get(a, {}) and saved[a][b] != now[a][b]]
-    was = read_run_state(path).get("tokenizer_fingerprint")
-    if was and tokenizer_fingerprint and was != tokenizer_fingerprint:
-        diff.append(f"tokenizer contents: checkpoint {was[:12]} vs now {tokenizer_fingerprint[:12]}")
-    return diff
-
-
-def read_run_state(path: Path) -> dict:
-    """run_state.json of a checkpoint ({} if absent); a damaged one is a one-line CheckpointError."""
-    f = Path(path) / "run_state.json"
-    if not f.is_file():
-        return {}
-    try:
-        state = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f} is damaged ({e}); delete it to resume without the W&B run id, or use another "
-                              f"checkpoint") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{f} is damaged (not a JSON object); delete it to resume without the W&B run id")
-    return state
-
-
-def check_model_config(path: Path, cfg) -> None:
-    """A checkpoint of another architecture fails here, naming the fields that differ."""
-    saved = (read_checkpoint_config(path) or {}).get("model", {})
-    from hybridpar.config_cli import to_dict
-
-    now = to_dict(cfg)["model"]
-    shape_fields = [k for k in now if k not in ("dropout", "init_std", "name")]
-    diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in shape_fields
-            if k in saved and saved[k] != now[k]]
-    if diff:
-        raise CheckpointError(f"checkpoint {path} holds a different model ({'; '.join(diff)}); load it with the "
-                              f"same model config (its config.yaml) or start a new run")
-
-
 def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The model weights of checkpoint `path` (or only those in `names`) as full plain tensors, read in this one
     process (no process group)."""
@@ -361,7 +295,8 @@ def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[st
     read_metadata(path)  # unsafe or damaged: one CheckpointError here (DCP would retry per rank and wrap it)
     state: dict = {}
     try:
-        _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeEmptyLoadPlanner(keys={f"model.{n}" for n in names} if names else {"model"}),
+        keys = {f"model.{n}" for n in names} if names else {"model"}
+        _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeEmptyLoadPlanner(keys=keys),
                          no_dist=True)
     except (Exception, CheckpointException) as e:
         inner = unwrap_checkpoint_exception(e)

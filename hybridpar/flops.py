@@ -43,9 +43,17 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + mlp) + cfg.vocab_size * H
 
 
+def flops_parts(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
+    """Training (forward + backward = 3 x forward) model FLOPs per token by part: the blocks' projections and MLPs,
+    the attention scores and weighted sums (QK^T and AV, causal mask not discounted), and the LM head."""
+    head = cfg.vocab_size * cfg.d_model
+    return {"blocks": 6 * (matmul_params(cfg) - head),
+            "attention": 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim, "head": 6 * head}
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training (forward + backward) model FLOPs per token at sequence length seq_len."""
-    return 6 * matmul_params(cfg) + 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return sum(flops_parts(cfg, seq_len).values())
 
 
 def peak_tflops(device_name: str | None) -> float | None:

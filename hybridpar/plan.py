@@ -21,7 +21,7 @@ from torch import nn
 
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
-from hybridpar.flops import flops_per_token
+from hybridpar.flops import flops_parts
 from hybridpar.models import ModelConfig, build_model
 from hybridpar.parallel import uses_fsdp
 
@@ -316,12 +316,13 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
     n_micro = t.global_batch_size // (micro * layout.dp)
     tokens_rank = t.global_batch_size * t.seq_len / layout.dp  # tokens of this rank's TP group per step
-    fpt = flops_per_token(m, t.seq_len)
+    parts = flops_parts(m, t.seq_len)
+    fpt = sum(parts.values())
     ckpt = len(range(0, m.n_layers, t.ac_every)) if t.activation_checkpointing == "full" else 0
-    layer_share = 1 - 6 * m.vocab_size * m.d_model / fpt  # FLOPs in the blocks, not the LM head
+    layer_share = 1 - parts["head"] / fpt  # FLOPs in the blocks, not the LM head
     recompute = 1 + layer_share * ckpt / m.n_layers / 3
     if t.activation_checkpointing == "selective":  # the attention core's forward again: a third of its FLOPs
-        recompute += 2 * m.n_layers * t.seq_len * m.n_heads * m.head_dim / fpt
+        recompute += parts["attention"] / 3 / fpt
     compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
     a = _compute_bytes(t.precision)
     act = micro * t.seq_len * m.d_model * a

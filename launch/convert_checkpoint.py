@@ -20,9 +20,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from hybridpar.checkpoint import (MARKER, CheckpointError, load_full_model_state, read_checkpoint_config,
-                                  resolve_load_path)
+from hybridpar.checkpoint import MARKER, CheckpointError, load_full_model_state, resolve_load_path
 from hybridpar.errors import UserError
+from hybridpar.resume_checks import read_checkpoint_config
 from hybridpar.safe_load import read_metadata
 
 

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hybridpar.checkpoint import CheckpointHook, Checkpointer, latest_checkpoint, read_run_state, resolve_load_path
+from hybridpar.checkpoint import CheckpointHook, Checkpointer, latest_checkpoint, resolve_load_path
 from hybridpar.config import Config
 from hybridpar.config_cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
 from hybridpar.errors import ConfigError, RunDirError, UserError
 from hybridpar.metrics import MetricsLogger
+from hybridpar.resume_checks import read_run_state
 from hybridpar.run_dir import RunDirLock
 from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult
 

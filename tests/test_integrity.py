@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from hybridpar.checkpoint import checkpoint_dir, latest_checkpoint, load_full_model_state, read_checkpoint_config
+from hybridpar.checkpoint import checkpoint_dir, latest_checkpoint, load_full_model_state
 from hybridpar.errors import CheckpointError, DataError, RunDirError
+from hybridpar.resume_checks import read_checkpoint_config
 from hybridpar.run_dir import LOCK, RunDirLock
 from hybridpar.safe_load import read_metadata
 
@@ -211,7 +212,7 @@ def test_python_tags_and_damaged_json_are_one_line_errors(trained, tmp_path):
     sys.path.insert(0, str(ROOT / "launch"))
     import convert_checkpoint
 
-    from hybridpar.checkpoint import read_run_state
+    from hybridpar.resume_checks import read_run_state
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint_dir(trained, 4), ckpt)

@@ -46,6 +46,8 @@ def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank, capsys
     r = json.loads(out.out)
     assert r["world_size"] == nodes * gpn and r["rank"] == rank
     assert r["dry_run_params_bytes"] == r["params_bytes_per_gpu"] > 0
+    # The dry run runs the real start-up: it allocated and initialised exactly the planned parameter bytes.
+    assert r["dry_run_materialized_bytes"] == r["params_bytes_per_gpu"] and r["dry_run_init_seconds"] > 0
     assert r["dry_run_grads_bytes"] == r["grads_bytes_per_gpu"]
     assert r["dry_run_optimizer_bytes"] == r["optimizer_bytes_per_gpu"]
     assert r["dry_run_matches"] is True

@@ -1,10 +1,10 @@
 """Start-up at scale: keyed initialisation that does not depend on the layout, the same global initial weights for
 1 process and every (dp_replicate, dp_shard, tp) layout (seed checkpoints of real gloo runs), a start-up memory
-bound far below one full copy per rank, and the planner's dry run materialising what the plan says."""
+bound far below one full copy per rank, and a layout that cannot fit refused before allocating. (The planner's dry
+run, which runs this start-up for one rank of 175B at 1,024 ranks, is checked in test_plan.py.)"""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
@@ -97,15 +97,6 @@ def test_start_up_memory_per_rank_is_a_shard_not_the_model(tmp_path, cache_dir):
     weights = 4 * count_params(get_model_config("gpt2-774m"))
     assert peak <= weights / 4 + 2 ** 30, (peak, weights)
     assert (checkpoint_dir(run_dir, 0) / "COMPLETE").is_file()
-
-
-def test_dry_run_of_175b_at_1024_ranks_materialises_the_planned_bytes():
-    out = run_cli(["launch/plan.py", "--config", "configs/gpt3-175b.yaml", "--cluster.nodes", "128",
-                   "--cluster.gpus_per_node", "8", "--dry-run", "--rank", "1023", "--json"])
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout)
-    assert r["dry_run_materialized_bytes"] == r["params_bytes_per_gpu"] > 0 and r["dry_run_matches"]
-    assert r["dry_run_init_seconds"] > 0
 
 
 def test_a_layout_that_cannot_fit_is_refused_with_one_that_does():

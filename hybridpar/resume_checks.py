@@ -1,0 +1,77 @@
+"""What a resume must keep: the checkpoint's saved config and run state, read safely, and the checks that refuse a
+resume into another model or onto other data (the consumed-samples position only means something for the same
+seed, sequence length, data, split and tokenizer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybridpar.errors import CheckpointError
+
+
+def read_checkpoint_config(path: Path) -> dict | None:
+    """The resolved config a checkpoint (or run dir) was saved with, as a plain dict; None if it has none. YAML is
+    read with the safe loader (no Python tags); a damaged file is a one-line CheckpointError."""
+    import yaml
+
+    cfg_file = Path(path) / "config.yaml"
+    if not cfg_file.is_file():
+        return None
+    try:
+        saved = yaml.safe_load(cfg_file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"{cfg_file} is not a config hybridpar wrote ({first}); restore it from the run's "
+                              f"config.yaml or use another checkpoint") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k, {}), dict) for k in ("model", "train", "data")):
+        raise CheckpointError(f"{cfg_file} is not a config hybridpar wrote (not a mapping of sections); restore it "
+                              f"from the run's config.yaml or use another checkpoint")
+    return saved
+
+
+# What the consumed-samples position means: change any of these and the same position indexes other samples.
+DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data", "split"), ("data", "tokenizer"))
+
+
+def data_changes(path: Path, cfg, tokenizer_fingerprint: str | None) -> list[str]:
+    """The data-defining settings in which `cfg` differs from checkpoint `path`, as 'field: checkpoint X vs now Y'."""
+    saved = read_checkpoint_config(path) or {}
+    from hybridpar.config_cli import to_dict
+
+    now = to_dict(cfg)
+    diff = [f"{a}.{b}: checkpoint {saved[a][b]!r} vs now {now[a][b]!r}" for a, b in DATA_FIELDS
+            if b in saved.get(a, {}) and saved[a][b] != now[a][b]]
+    was = read_run_state(path).get("tokenizer_fingerprint")
+    if was and tokenizer_fingerprint and was != tokenizer_fingerprint:
+        diff.append(f"tokenizer contents: checkpoint {was[:12]} vs now {tokenizer_fingerprint[:12]}")
+    return diff
+
+
+def read_run_state(path: Path) -> dict:
+    """run_state.json of a checkpoint ({} if absent); a damaged one is a one-line CheckpointError."""
+    f = Path(path) / "run_state.json"
+    if not f.is_file():
+        return {}
+    try:
+        state = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is damaged ({e}); delete it to resume without the W&B run id, or use another "
+                              f"checkpoint") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{f} is damaged (not a JSON object); delete it to resume without the W&B run id")
+    return state
+
+
+def check_model_config(path: Path, cfg) -> None:
+    """A checkpoint of another architecture fails here, naming the fields that differ."""
+    saved = (read_checkpoint_config(path) or {}).get("model", {})
+    from hybridpar.config_cli import to_dict
+
+    now = to_dict(cfg)["model"]
+    shape_fields = [k for k in now if k not in ("dropout", "init_std", "name")]
+    diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in shape_fields
+            if k in saved and saved[k] != now[k]]
+    if diff:
+        raise CheckpointError(f"checkpoint {path} holds a different model ({'; '.join(diff)}); load it with the "
+                              f"same model config (its config.yaml) or start a new run")
