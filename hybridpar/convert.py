@@ -131,14 +131,18 @@ def _hf_config(fam: str, cfg: ModelConfig):
                        architectures=["LlamaForCausalLM"])
 
 
-def to_hf(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
-    """(transformers config, HF state dict) of a hybridpar model. A tied LM head is written as the embedding
-    (transformers re-ties it)."""
+def hf_export_plan(cfg: ModelConfig, our_metas: dict[str, tuple[torch.dtype, tuple]]):
+    """(transformers config, {their name: (dtype, shape)}, {their name: (our names, make)}) for a streaming export:
+    their shapes come from running each rule's transform on meta tensors of our shapes, and make(tensors) builds
+    one of their tensors from ours, so an exporter holds one tensor (or one fused Q/K/V) at a time. A tied LM head
+    is left out (transformers re-ties it)."""
     fam = family(cfg)
-    out = {theirs: to(([sd[o] for o in ours]), cfg).contiguous() for ours, theirs, (to, _) in _rules(fam, cfg)}
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = sd["tok_embeddings.weight"]
-    return _hf_config(fam, cfg), out
+    metas, sources = {}, {}
+    for ours, theirs, (to, _) in _rules(fam, cfg):
+        probe = to([torch.empty(our_metas[o][1], dtype=our_metas[o][0], device="meta") for o in ours], cfg)
+        metas[theirs] = (probe.dtype, tuple(probe.shape))
+        sources[theirs] = (ours, lambda ts, to=to: to(ts, cfg))
+    return _hf_config(fam, cfg), metas, sources
 
 
 def from_hf(hf_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -214,6 +218,7 @@ def write_safetensors_streaming(path: Path, metas: dict[str, tuple[torch.dtype, 
         n = int(np.prod(shape)) * torch.tensor([], dtype=dtype).element_size()
         header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
+    header["__metadata__"] = {"format": "pt"}  # what transformers expects of a PyTorch safetensors file
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
     tmp = Path(f"{path}.tmp")

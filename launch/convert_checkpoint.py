@@ -40,24 +40,34 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise CheckpointError(f"--out {out} is not empty; pass --overwrite or another directory")
 
 
-def to_hf_cmd(a) -> str:
-    from safetensors.torch import save_file
+def _our_metas(ckpt: Path) -> dict:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from hybridpar.convert import family, to_hf
+    meta = read_metadata(ckpt).state_dict_metadata
+    return {k[len("model."):]: (m.properties.dtype, tuple(m.size)) for k, m in meta.items()
+            if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+
+
+def to_hf_cmd(a) -> str:
+    from hybridpar.convert import family, hf_export_plan, write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _model_config(ckpt)
     family(cfg)  # fails before any heavy work for an architecture HF has no class for
     _check_out(a.out, a.overwrite)
-    hf_cfg, sd = to_hf(cfg, load_full_model_state(ckpt))
+    hf_cfg, metas, sources = hf_export_plan(cfg, _our_metas(ckpt))
+
+    def load_one(name):  # one of their tensors, from the one to three of ours it is made of
+        ours, make = sources[name]
+        sd = load_full_model_state(ckpt, names=ours)
+        return make([sd[o] for o in ours])
+
     a.out.mkdir(parents=True, exist_ok=True)
     hf_cfg.save_pretrained(a.out)
-    if hf_cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight")  # tied: transformers re-ties it on load
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(a.out / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors_streaming(a.out / "model.safetensors", metas, load_one)
     if (ckpt / "tokenizer.json").is_file():
         shutil.copy(ckpt / "tokenizer.json", a.out / "tokenizer.json")
-    return f"wrote {a.out} ({hf_cfg.architectures[0]}, {len(sd)} tensors) from {ckpt}"
+    return f"wrote {a.out} ({hf_cfg.architectures[0]}, {len(metas)} tensors, one at a time) from {ckpt}"
 
 
 def from_hf_cmd(a) -> str:
@@ -81,16 +91,12 @@ def from_hf_cmd(a) -> str:
 
 
 def to_torch_cmd(a) -> str:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     from hybridpar.convert import write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _model_config(ckpt)
     _check_out(a.out, a.overwrite)
-    meta = read_metadata(ckpt).state_dict_metadata
-    metas = {k[len("model."):]: (m.properties.dtype, tuple(m.size)) for k, m in meta.items()
-             if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    metas = _our_metas(ckpt)
     if cfg.tie_embeddings:
         metas.pop("lm_head.weight", None)
 
