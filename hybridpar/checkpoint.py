@@ -17,7 +17,7 @@ Only tensors and the optimizer's plain hyper-parameters are stored; nothing read
 hybridpar/safe_load.py: an explicit allow-list for DCP's .metadata pickle, weights-only unpickling for byte entries,
 shard names and lengths checked before any read). A checkpoint is used only once COMPLETE
 exists, so a save cut off at any instant leaves the previous checkpoint the latest one. Older checkpoints are
-deleted only after a newer one is complete. RNG: the trainer re-seeds from (seed, step, rank) at every step, so
+deleted only after a newer one is complete. RNG: the trainer re-seeds from (seed, step) at every step, so
 there is no generator state to carry and a resume draws exactly the random numbers the uninterrupted run drew.
 """
 
