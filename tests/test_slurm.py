@@ -30,6 +30,9 @@ def slurm():
             pytest.fail("HYBRIDPAR_REQUIRE_SLURM=1 but sbatch is not on PATH: tools/slurm_ci_setup.sh up failed?")
         pytest.skip("no SLURM here (sbatch not on PATH); `bash tools/slurm_ci_setup.sh up` starts a local cluster")
     info = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=60)
+    if info.returncode != 0 and os.environ.get("HYBRIDPAR_REQUIRE_SLURM") != "1":
+        # SLURM's client is installed but no controller answers (e.g. a machine where CI's cluster was torn down).
+        pytest.skip(f"no SLURM controller answers ({info.stderr.strip()}); `bash tools/slurm_ci_setup.sh up` starts one")
     assert info.returncode == 0, info.stderr
     return info.stdout
 
