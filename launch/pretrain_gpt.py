@@ -109,7 +109,7 @@ def main(cfg: Config) -> TrainResult:
     world = world_from_env()
     device = pick_device(cfg.train.device, world.local_rank)
     mesh = init_mesh(cfg.parallel, device, world)
-    lock = None
+    lock = trainer = None
     try:
         lock = lock_run_dir(cfg, world.rank)  # a run owns its run dir from here to its exit
         run_dir, load_from = prepare_run_dir(cfg)
@@ -157,6 +157,7 @@ def main(cfg: Config) -> TrainResult:
     finally:
         if lock is not None:
             lock.release()
+        trainer = None  # drop the model (and the process groups its DTensors hold) before the groups are destroyed
         shutdown()
 
 
