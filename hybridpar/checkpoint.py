@@ -39,24 +39,11 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from hybridpar.resume_checks import check_model_config, data_changes
-from hybridpar.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader, read_metadata,
-                                 unwrap_checkpoint_exception)
+from hybridpar.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader, exceptions_in,
+                                 read_metadata, unwrap_checkpoint_exception)
 
 STEP_PREFIX = "step_"
 MARKER = "COMPLETE"
-
-
-def _exceptions_in(e: BaseException) -> list[BaseException]:
-    """`e` and, for DCP's CheckpointException, each rank's exception inside it (with their causes)."""
-    found, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        found.append(x)
-        for failure in getattr(x, "failures", {}).values():
-            todo.append(failure[0] if isinstance(failure, tuple) else failure)
-        if x.__cause__ is not None:
-            todo.append(x.__cause__)
-    return found
 
 
 def _local_bytes(state) -> int:
@@ -69,6 +56,29 @@ def _local_bytes(state) -> int:
             local = v.to_local() if hasattr(v, "to_local") else v
             total += local.numel() * local.element_size()
     return total
+
+
+def _safe_load(state: dict, path: Path, planner, metadata=None, no_dist: bool = False) -> None:
+    """DCP load of `state` from checkpoint `path` through the safe reader and planner (hybridpar/safe_load.py), the
+    metadata read and checked once; our CheckpointErrors come out as themselves, not wrapped per rank by DCP."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader = SafeReader(str(path), metadata if metadata is not None else read_metadata(path))
+    try:
+        if no_dist:  # into a state dict the planner fills (an empty one for _EmptyStateDictLoadPlanner)
+            _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
+        else:
+            dcp.load(state, storage_reader=reader, planner=planner)
+    except (Exception, CheckpointException) as e:
+        inner = unwrap_checkpoint_exception(e)
+        if inner is e:
+            raise
+        raise inner from None
+
+
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory step_XXXXXXXX."""
+    return int(Path(path).name[len(STEP_PREFIX):])
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -85,7 +95,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and is_complete(p)]
-    return sorted(done, key=lambda p: int(p.name[len(STEP_PREFIX):]))
+    return sorted(done, key=step_of)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -165,7 +175,7 @@ class Checkpointer:
         the partial save removed, the previous checkpoint still the latest. Other errors stay as they are.
         torch.save's zip writer reports a full disk as a RuntimeError ("unexpected pos"), without errno: a failed
         save that leaves less free space than this rank had to write counts as a full disk too."""
-        os_error = next((x for x in _exceptions_in(e) if isinstance(x, OSError)
+        os_error = next((x for x in exceptions_in(e) if isinstance(x, OSError)
                          and x.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS)), None)
         try:
             full = shutil.disk_usage(path.parent).free < self._need_bytes
@@ -208,14 +218,14 @@ class Checkpointer:
         (path / "run_state.json").write_text(json.dumps(
             {"wandb_id": wandb_id, "tokenizer_fingerprint": trainer.tokenizer.fingerprint}) + "\n")
         tmp = path / f".{MARKER}.tmp"
-        tmp.write_text(f"step {int(path.name[len(STEP_PREFIX):])}\n")
+        tmp.write_text(f"step {step_of(path)}\n")
         tmp.rename(path / MARKER)
         for old in list_checkpoints(self.run_dir)[:-self.keep_last]:
             shutil.rmtree(old)
         # Incomplete saves older than the newest complete one can never be used: clear them too.
-        newest = int(path.name[len(STEP_PREFIX):])
+        newest = step_of(path)
         for p in (self.run_dir / "checkpoints").iterdir():
-            if p.name.startswith(STEP_PREFIX) and not is_complete(p) and int(p.name[len(STEP_PREFIX):]) < newest:
+            if p.name.startswith(STEP_PREFIX) and not is_complete(p) and step_of(p) < newest:
                 shutil.rmtree(p, ignore_errors=True)
 
     def poll(self) -> None:
@@ -251,20 +261,15 @@ class Checkpointer:
         metadata = read_metadata(path)  # a crafted or damaged checkpoint fails here, as a one-line error
         saved = metadata.state_dict_metadata
         with_optim = not weights_only and any(k.startswith("optim.") for k in saved)  # a seed checkpoint has none
-        state = {"model": get_model_state_dict(trainer.model)}
         if with_optim:
-            state["model"], state["optim"] = get_state_dict(trainer.model, trainer.optimizer)
+            state = dict(zip(("model", "optim"), get_state_dict(trainer.model, trainer.optimizer)))
+        else:
+            state = {"model": get_model_state_dict(trainer.model)}
         if not weights_only:
             state["trainer"] = _trainer_state(0, 0, 0, 0)
-            if "trainer.skip_streak" not in metadata.state_dict_metadata:  # saved before the streak was kept
+            if "trainer.skip_streak" not in saved:  # saved before the streak was kept
                 del state["trainer"]["skip_streak"]
-        try:
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
-        except (Exception, CheckpointException) as e:  # DCP wraps every rank's error; ours is one line
-            inner = unwrap_checkpoint_exception(e)
-            if inner is e:
-                raise
-            raise inner from None
+        _safe_load(state, path, SafeLoadPlanner(), metadata)
         if not with_optim:
             set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=True))
         else:
@@ -290,30 +295,16 @@ class Checkpointer:
 def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The model weights of checkpoint `path` (or only those in `names`) as full plain tensors, read in this one
     process (no process group)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    read_metadata(path)  # unsafe or damaged: one CheckpointError here (DCP would retry per rank and wrap it)
     state: dict = {}
-    try:
-        keys = {f"model.{n}" for n in names} if names else {"model"}
-        _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeEmptyLoadPlanner(keys=keys),
-                         no_dist=True)
-    except (Exception, CheckpointException) as e:
-        inner = unwrap_checkpoint_exception(e)
-        if inner is e:
-            raise
-        raise inner from None
+    keys = {f"model.{n}" for n in names} if names else {"model"}
+    _safe_load(state, path, SafeEmptyLoadPlanner(keys=keys), no_dist=True)
     return state["model"]
 
 
 def read_trainer_state(path: Path) -> dict[str, int]:
     """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped (and skip_streak)."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    read_metadata(path)
     state: dict = {}
-    _load_state_dict(state, storage_reader=SafeReader(str(path)), planner=SafeEmptyLoadPlanner(keys={"trainer"}),
-                     no_dist=True)
+    _safe_load(state, path, SafeEmptyLoadPlanner(keys={"trainer"}), no_dist=True)
     return {k: int(v) for k, v in state["trainer"].items()}
 
 

@@ -7,23 +7,20 @@ follow the saved tensors of hybridpar's GPT block with fused (flash) attention; 
 per-layer terms and how they were checked. The step time is an estimate from FLOPs and link bandwidths, with its
 assumptions listed in GPUS and step_time().
 
-Rank coordinates follow hybridpar.distributed: the mesh is dp_replicate x dp_shard x tp, tp innermost, so
-rank = (rep * dp_shard + shard) * tp + tp_rank. Rank 0 holds the largest shards (chunks are ceil-sized first).
+Per-parameter local shapes (which rank holds which piece) live in hybridpar.shapes.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator
-
-from torch import nn
 
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.flops import flops_parts
-from hybridpar.models import ModelConfig, build_model
+from hybridpar.models import ModelConfig
 from hybridpar.parallel import uses_fsdp
+from hybridpar.shapes import Layout, numel, chunk, local_param_count, param_specs
 
 GIB = 2 ** 30
 
@@ -59,115 +56,7 @@ LINK_EFFICIENCY = 0.80    # achieved bus bandwidth / link bandwidth of NCCL ring
 RESERVED_GIB = 3.0        # CUDA context, NCCL buffers and allocator fragmentation kept out of the usable memory
 
 
-# -- shapes ------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    shape: tuple[int, ...]
-    tp_dim: int | None  # the dim TP shards (None: replicated over tp)
-    block: int | None   # transformer block index (None: the root: embeddings, final norm, LM head)
-
-
-def _tp_dim(style, module: nn.Module, leaf: str) -> int | None:
-    """The dim a DTensor TP style shards a parameter on: column-parallel linears split their output features
-    (weight dim 0, bias dim 0), row-parallel linears their input features (weight dim 1, bias replicated), and a
-    row-wise embedding its vocabulary rows (dim 0). Other styles (sequence parallel, input/output preparation)
-    move activations only."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    if isinstance(module, nn.Embedding):
-        return {RowwiseParallel: 0, ColwiseParallel: 1}.get(type(style))
-    if isinstance(style, ColwiseParallel):
-        return 0
-    if isinstance(style, RowwiseParallel):
-        return 1 if leaf == "weight" else None
-    return None
-
-
-def param_specs(m: ModelConfig, layers: range | None = None) -> list[ParamSpec]:
-    """Every parameter of hybridpar's GPT (tied ones once), read from the model itself, built on the meta device,
-    with the dim the TP plan (hybridpar.parallel.tensor_parallel.gpt_tp_plan) shards it on; `layers` restricts the
-    blocks listed (all by default)."""
-    from hybridpar.parallel.tensor_parallel import gpt_tp_plan
-
-    n_layers = m.n_layers if layers is None else max(layers) + 1
-    model = build_model(replace(m, n_layers=n_layers), device="meta", init=False)
-    top, block = gpt_tp_plan(model, sequence_parallel=True)
-    specs = []
-    for name, p in model.named_parameters():
-        module_name, _, leaf = name.rpartition(".")
-        index = None
-        if module_name.startswith("layers."):
-            _, i, inner = module_name.split(".", 2)
-            index, style = int(i), block.get(inner)
-            if layers is not None and index not in layers:
-                continue
-        else:
-            style = top.get(module_name)
-        specs.append(ParamSpec(name, tuple(p.shape), _tp_dim(style, model.get_submodule(module_name), leaf), index))
-    return specs
-
-
-def chunk(n: int, parts: int, index: int) -> int:
-    """Length of torch.chunk's piece `index` of a dim of length n split in `parts` (DTensor Shard and FSDP2 both
-    split this way: ceil-sized pieces first, the last ones shorter or empty)."""
-    size = -(-n // parts)
-    return max(0, min(size, n - index * size))
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(replicate, shard, tp) coordinates of a rank."""
-        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
-
-
-def local_shape(spec: ParamSpec, layout: Layout, rank: int) -> tuple[int, ...]:
-    """The shape of this rank's piece: TP chunk of spec.tp_dim, then (with FSDP) the dp_shard chunk of dim 0."""
-    _, shard, tp_rank = layout.coords(rank)
-    shape = list(spec.shape)
-    if layout.tp > 1 and spec.tp_dim is not None:
-        shape[spec.tp_dim] = chunk(shape[spec.tp_dim], layout.tp, tp_rank)
-    if layout.dp > 1:  # fully_shard shards over dp_shard (on a 1x1 mesh, for bf16, it shards nothing)
-        shape[0] = chunk(shape[0], layout.dp_shard, shard)
-    return tuple(shape)
-
-
-def local_shapes(m: ModelConfig, layout: Layout, rank: int) -> dict[str, tuple[int, ...]]:
-    return {s.name: local_shape(s, layout, rank) for s in param_specs(m)}
-
-
-def local_param_count(m: ModelConfig, layout: Layout, rank: int = 0, part: str = "all") -> tuple[int, int]:
-    """(elements, tensors) of this rank's parameter shards; part = all | block (one block) | root. Every block
-    has the same shapes, so one block is counted and multiplied."""
-    specs = param_specs(m, layers=range(1))
-    block = [_numel(local_shape(s, layout, rank)) for s in specs if s.block == 0]
-    root = [_numel(local_shape(s, layout, rank)) for s in specs if s.block is None]
-    if part == "block":
-        return sum(block), len(block)
-    if part == "root":
-        return sum(root), len(root)
-    return m.n_layers * sum(block) + sum(root), m.n_layers * len(block) + len(root)
-
-
 # -- memory --------------------------------------------------------------------------------------------------------
-
-def _numel(shape) -> int:
-    return math.prod(shape)
-
 
 def _compute_bytes(precision: str | None) -> int:
     """Bytes per element of the compute dtype (bf16 or fp32)."""
@@ -231,7 +120,7 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
     out = {"layers": int(kept_layers), "outside_layers": int(outside), "recompute_peak": int(recompute)}
     if autocast:  # bf16 copies of the matmul weights (local TP shards), kept from forward to backward except in
         # fully checkpointed blocks, which cast them again when they recompute
-        layer_w = sum(_numel(s_.shape) for s_ in param_specs(m, range(1)) if s_.block == 0 and len(s_.shape) == 2)
+        layer_w = sum(numel(s_.shape) for s_ in param_specs(m, range(1)) if s_.block == 0 and len(s_.shape) == 2)
         kept = L - (len(range(0, L, ac_every)) if ac == "full" else 0)
         out["autocast_weight_copies"] = 2 * (kept * layer_w // tp + chunk(m.vocab_size, tp, 0) * H)
     return out
@@ -401,6 +290,11 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
     # kernels run closer to peak on bigger matrices, then the smaller memory.
     rows.sort(key=lambda r: (-round(r["tokens_per_sec"], 6), -r["micro_batch_size"], r["total_gib"]))
     return rows[:top]
+
+
+def gpu_by_name(device_name: str) -> GPU:
+    """The GPUS entry whose key appears in a device name (e.g. "NVIDIA H200" -> h200); h100 figures otherwise."""
+    return next((g for key, g in GPUS.items() if key in device_name.lower()), GPUS["h100"])
 
 
 def refuse_if_too_big(cfg: Config, layout: Layout, device_bytes: int, gpus_per_node: int, gpu: GPU,

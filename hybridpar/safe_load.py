@@ -58,7 +58,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: Path) -> Metadata:
-    """The checked DCP metadata of checkpoint directory `path`; CheckpointError (one line) if it is unsafe or damaged."""
+    """The checked DCP metadata of checkpoint directory `path`; CheckpointError (one line) if it is unsafe or
+    damaged."""
     path = Path(path)
     meta_file = path / ".metadata"
     if not meta_file.is_file():
@@ -95,7 +96,7 @@ def _check_metadata(path: Path, md) -> None:
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"{bad} asks for storage transforms {info.transform_descriptors!r}, which hybridpar "
                                   f"never writes: refusing to load it")
-        if not (isinstance(info.offset, int) and isinstance(info.length, int) and info.offset >= 0 and info.length >= 0):
+        if not all(isinstance(v, int) and v >= 0 for v in (info.offset, info.length)):
             raise CheckpointError(f"{bad} gives {index.fqn!r} the range offset={info.offset!r} length={info.length!r}")
         needed[name] = max(needed.get(name, 0), info.offset + info.length)
     for name, end in sorted(needed.items()):
@@ -110,12 +111,17 @@ def _check_metadata(path: Path, md) -> None:
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with the metadata read and checked by read_metadata() instead of pickle.load."""
+    """DCP's file reader with the metadata read and checked by read_metadata() instead of pickle.load (or taken as
+    already read and checked, so a load unpickles it once)."""
+
+    def __init__(self, path, metadata: Metadata | None = None):
+        super().__init__(path)
+        self._checked = metadata
 
     def read_metadata(self, *args, **kwargs):
         if kwargs.get("rank") is not None:
             raise CheckpointError(f"{self.path}: per-rank metadata files are not written by hybridpar")
-        metadata = read_metadata(Path(self.path))
+        metadata = self._checked if self._checked is not None else read_metadata(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -127,7 +133,8 @@ def _load_bytes_safely(value: io.BytesIO):
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[-1] if str(e).strip() else "not plain data"
-        raise CheckpointError(f"a byte entry of the checkpoint is not plain data ({first}); refusing to load it") from None
+        raise CheckpointError(f"a byte entry of the checkpoint is not plain data ({first}); refusing to load "
+                              f"it") from None
 
 
 class _SafeBytes:
@@ -149,11 +156,20 @@ class SafeEmptyLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
     """Loads every entry a checkpoint holds (under `keys`) into an empty state dict, with safe byte entries."""
 
 
+def exceptions_in(e: BaseException) -> list[BaseException]:
+    """`e` and, for DCP's CheckpointException, each rank's exception inside it (with their causes)."""
+    found, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        found.append(x)
+        for failure in getattr(x, "failures", {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+        if x.__cause__ is not None:
+            todo.append(x.__cause__)
+    return found
+
+
 def unwrap_checkpoint_exception(e: BaseException) -> BaseException:
     """DCP wraps each rank's exception in a CheckpointException (a multi-line traceback): the first of our own
     CheckpointErrors inside it, else `e` itself."""
-    for failure in getattr(e, "failures", {}).values():
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, CheckpointError):
-            return inner
-    return e
+    return next((x for x in exceptions_in(e) if isinstance(x, CheckpointError)), e)

@@ -88,17 +88,15 @@ class Trainer:
         t = cfg.train
 
         if device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, before allocating anything
-            from hybridpar.plan import GPUS, Layout, refuse_if_too_big
+            from hybridpar.plan import Layout, gpu_by_name, refuse_if_too_big
 
             name = torch.cuda.get_device_name(device)
-            gpu = next((g for key, g in GPUS.items() if key in name.lower()), GPUS["h100"])
             refuse_if_too_big(cfg, Layout(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), self.tp),
-                              torch.cuda.get_device_properties(device).total_memory, gpus_per_node, gpu, name)
+                              torch.cuda.get_device_properties(device).total_memory, gpus_per_node,
+                              gpu_by_name(name), name)
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
-        start = time.perf_counter()
         self.model = build_parallel_model(cfg, mesh, device, parallelize, init=init_weights)
-        self.init_seconds = time.perf_counter() - start
         self.optimizer = build_optimizer(self.model, cfg.optim)
         fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)

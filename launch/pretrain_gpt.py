@@ -148,10 +148,9 @@ def main(cfg: Config) -> TrainResult:
             # For job scripts: torchrun turns a worker's exit status into its own, so the marker file says it.
             (run_dir / PREEMPTED).write_text(f"step {trainer.step}\n")
         if world.world_size > 1:
-            # Every rank done with every collective before any rank tears its process group down: a gloo group
-            # destroyed while a peer still talks to it can abort at exit ("terminate called without an active
-            # exception", seen once in CI on a 4-rank run). On the success path only: after an error on one rank,
-            # a barrier would wait for the collective timeout.
+            # Every rank done with every collective before any rank tears its process group down (the exit-time
+            # gloo abort this guarded against came back with the barrier alone; see shutdown()). On the success
+            # path only: after an error on one rank, a barrier would wait for the collective timeout.
             dist.barrier()
         return result
     finally:

@@ -15,7 +15,8 @@ from hybridpar.config_cli import load_config
 from hybridpar.dry_run import saved_activation_bytes
 from hybridpar.models import build_model
 from hybridpar.parallel import apply_activation_checkpointing
-from hybridpar.plan import GIB, Layout, activation_bytes, chunk, local_shapes, memory
+from hybridpar.plan import GIB, activation_bytes, memory
+from hybridpar.shapes import Layout, chunk, local_shapes
 
 _spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
