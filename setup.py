@@ -29,8 +29,9 @@ setup(
         "safetensors",  # consolidated exports (to-torch, load_pretrained)
     ],
     extras_require={
-        # transformers: HF round trips; matplotlib: plot_metrics; tensorboard: the TensorBoard writer
-        "test": ["pytest>=7", "pytest-timeout", "transformers", "matplotlib", "tensorboard"],
+        # transformers: HF round trips; matplotlib: plot_metrics; tensorboard: the TensorBoard writer;
+        # psutil: megatron-core's dist_checkpointing.save, which writes the reference saves of tests/test_megatron.py
+        "test": ["pytest>=7", "pytest-timeout", "transformers", "matplotlib", "tensorboard", "psutil"],
         "hf": ["transformers"],  # launch/convert_checkpoint.py to-hf / from-hf
         "plot": ["matplotlib"],  # launch/plot_metrics.py
         "tensorboard": ["tensorboard"],  # logging.tensorboard

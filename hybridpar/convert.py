@@ -24,14 +24,16 @@ import torch
 from hybridpar.errors import CheckpointError
 from hybridpar.models import ModelConfig
 
-GPT2_KEYS = dict(norm="layernorm", position="learned", mlp="gelu", bias=True, tie_embeddings=True)
+GPT2_KEYS = dict(norm="layernorm", position="learned", mlp="gelu", gelu_approx="tanh", bias=True,
+                 tie_embeddings=True)
 LLAMA_KEYS = dict(norm="rmsnorm", position="rope", mlp="swiglu", bias=False)
 
 
 def family(cfg: ModelConfig) -> str:
-    if all(getattr(cfg, k) == v for k, v in GPT2_KEYS.items()) and cfg.kv_heads == cfg.n_heads:
+    if (all(getattr(cfg, k) == v for k, v in GPT2_KEYS.items()) and cfg.kv_heads == cfg.n_heads
+            and cfg.attn_bias and cfg.ln_bias):
         return "gpt2"
-    if all(getattr(cfg, k) == v for k, v in LLAMA_KEYS.items()):
+    if all(getattr(cfg, k) == v for k, v in LLAMA_KEYS.items()) and not cfg.attn_bias:
         return "llama"
     raise CheckpointError(f"model {cfg.name} (norm={cfg.norm}, position={cfg.position}, mlp={cfg.mlp}, bias={cfg.bias}) "
                      f"matches neither GPT2LMHeadModel nor LlamaForCausalLM; export it with to-torch instead")

@@ -41,6 +41,9 @@ ALLOWED_GLOBALS = frozenset(
     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
        ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+    # DCP's own plan records, which megatron-core's torch_dist saves keep in the metadata (all_local_plans)
+    | {("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType",
+                                                             "TensorWriteData")}
     | {("torch", n) for n in _DTYPES})
 _SHARD_NAME = re.compile(r"__\d+_\d+\.distcp")
 
@@ -57,9 +60,14 @@ class MetadataUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_metadata(path: Path) -> Metadata:
+def _hybridpar_bytes(key: str) -> bool:
+    return key.startswith("optim.param_groups.")
+
+
+def read_metadata(path: Path, byte_entries_ok=_hybridpar_bytes) -> Metadata:
     """The checked DCP metadata of checkpoint directory `path`; CheckpointError (one line) if it is unsafe or
-    damaged."""
+    damaged. byte_entries_ok(key) says which keys may be byte entries (pickles); hybridpar writes them only for the
+    optimizer's param_groups."""
     path = Path(path)
     meta_file = path / ".metadata"
     if not meta_file.is_file():
@@ -72,17 +80,17 @@ def read_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"{meta_file}: {e}") from None
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
         raise CheckpointError(f"{meta_file} is damaged ({type(e).__name__}: {e}); use an earlier checkpoint") from None
-    _check_metadata(path, metadata)
+    _check_metadata(path, metadata, byte_entries_ok)
     return metadata
 
 
-def _check_metadata(path: Path, md) -> None:
+def _check_metadata(path: Path, md, byte_entries_ok=_hybridpar_bytes) -> None:
     bad = f"checkpoint {path}: .metadata"
     if type(md) is not Metadata or not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data,
                                                                                                     dict):
         raise CheckpointError(f"{bad} is not a DCP metadata record ({type(md).__name__}); refusing to load it")
     for key, entry in md.state_dict_metadata.items():
-        if isinstance(entry, BytesStorageMetadata) and str(key).startswith("optim.param_groups."):
+        if isinstance(entry, BytesStorageMetadata) and byte_entries_ok(str(key)):
             continue
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"{bad} declares {key!r} as {type(entry).__name__}; hybridpar stores that as a "
@@ -126,6 +134,53 @@ class SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class InertRecord:
+    """What a class named in a plain-data file becomes when hybridpar needs none of its behaviour (Megatron-LM's enums
+    and small config objects inside its saved `args`): the arguments are kept, nothing of the file's runs."""
+
+    args: tuple = ()
+    state = None
+
+    def __init__(self, *args):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"InertRecord{self.args!r}"
+
+
+INERT_PREFIXES = ("megatron.", "transformer_engine.")  # classes that may stand inside Megatron-LM's args
+
+
+def load_plain_torch_file(path: Path):
+    """A torch.save file (Megatron-LM's common.pt, model_optim_rng.pt) read with torch's weights-only unpickler: its
+    allow-list plus argparse.Namespace, with classes from Megatron-LM or Transformer Engine (and io.BytesIO) replaced
+    by InertRecord. Any other global is refused with one line; nothing named by the file is called."""
+    import argparse
+
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as e:  # a truncated or non-zip file
+        raise CheckpointError(f"{path} cannot be read as a torch.save file ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else 'damaged'})") from None
+    allowed = []
+    for name in names:
+        if name == "argparse.Namespace":
+            allowed.append(argparse.Namespace)
+        elif name.startswith(INERT_PREFIXES) or name in ("_io.BytesIO", "io.BytesIO"):
+            allowed.append((InertRecord, name))
+        else:
+            raise CheckpointError(f"{path} refers to {name}, which is not plain data: refusing to load it")
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} cannot be loaded as plain data ({first})") from None
 
 
 def _load_bytes_safely(value: io.BytesIO):

@@ -3,12 +3,18 @@
     python launch/convert_checkpoint.py to-hf --checkpoint runs/x/checkpoints/step_00001000 --out hf/x
     python launch/convert_checkpoint.py from-hf --hf hf/gpt2 --out ckpt/gpt2
     python launch/convert_checkpoint.py to-torch --checkpoint runs/x/checkpoints/step_00001000 --out export/x
+    python launch/convert_checkpoint.py from-megatron --megatron /path/to/megatron/save --out ckpt/m
+    python launch/convert_checkpoint.py to-megatron --checkpoint runs/x --out megatron/x
 
 to-hf: a transformers folder (config.json, model.safetensors, and the run's tokenizer.json if it has one) for
 GPT2LMHeadModel (GPT-2/GPT-3 family) or LlamaForCausalLM (modern family); load it with
 AutoModelForCausalLM.from_pretrained. from-hf: a weights checkpoint to start training from:
     python launch/pretrain_gpt.py --config ckpt/gpt2/config.yaml --checkpoint.load ckpt/gpt2 \\
         --checkpoint.load_weights_only true ...
+from-megatron: a Megatron-LM save directory (torch_dist or legacy torch format; its latest iteration, or
+--iteration N, or one iter_XXXXXXX directory) -> a weights checkpoint as from-hf writes, its config.yaml holding the
+model shape and training settings from Megatron-LM's saved args. to-megatron: a torch_dist save directory that
+Megatron-LM loads (e.g. with --finetune, or --no-load-optim --no-load-rng). See docs/checkpoints.md.
 to-torch: model.safetensors + config.yaml, written one tensor at a time; hybridpar.models.load_pretrained(DIR)
 returns a ready model. transformers is needed for to-hf/from-hf only (pip install -e ".[hf]").
 """
@@ -90,6 +96,62 @@ def from_hf_cmd(a) -> str:
     return f"wrote {a.out} ({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size})"
 
 
+def from_megatron_cmd(a) -> str:
+    import torch.distributed.checkpoint as dcp
+
+    from hybridpar.config_cli import config_from_dict, dump_yaml
+    from hybridpar.megatron_ckpt import read_megatron, resolve_iteration_dir, run_settings
+
+    iter_dir = resolve_iteration_dir(a.megatron, a.iteration)
+    _check_out(a.out, a.overwrite)
+    model_cfg, sd, args, fmt = read_megatron(iter_dir)
+    settings = run_settings(args)  # Megatron-LM's batch, schedule and optimizer settings, where hybridpar has them
+    train = settings.setdefault("train", {})
+    train["seq_len"] = min(train.get("seq_len", model_cfg.max_seq_len), model_cfg.max_seq_len)
+    cfg = config_from_dict({**settings, "model": vars(model_cfg)})
+    dcp.save({"model": sd}, checkpoint_id=str(a.out), no_dist=True)
+    (a.out / "config.yaml").write_text(dump_yaml(cfg))
+    (a.out / MARKER).write_text("from-megatron\n")
+    return (f"wrote {a.out} ({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size}) "
+            f"from {iter_dir} ({fmt})")
+
+
+def to_megatron_cmd(a) -> str:
+    import json
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from hybridpar.config_cli import config_from_dict
+    from hybridpar.megatron_ckpt import megatron_args, to_megatron_state
+
+    ckpt = resolve_load_path(a.checkpoint)
+    saved = read_checkpoint_config(ckpt)
+    if saved is None:
+        raise CheckpointError(f"{ckpt} has no config.yaml; it was not written by hybridpar's trainer")
+    cfg = config_from_dict(saved)
+    _check_out(a.out, a.overwrite)
+    iteration = a.iteration if a.iteration is not None else _step_or_zero(ckpt)
+    state = to_megatron_state(cfg.model, load_full_model_state(ckpt))
+    iter_dir = a.out / f"iter_{iteration:07d}"
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, checkpoint_id=str(iter_dir), no_dist=True)
+    torch.save({"args": megatron_args(cfg.model, cfg.train, iteration), "checkpoint_version": 3.0,
+                "iteration": iteration}, iter_dir / "common.pt")
+    (iter_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                         "common_backend": "torch", "common_backend_version": 1}))
+    (a.out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return f"wrote {iter_dir} (torch_dist, {len(state)} tensors) from {ckpt}"
+
+
+def _step_or_zero(ckpt: Path) -> int:
+    from hybridpar.checkpoint import step_of
+
+    try:
+        return step_of(ckpt)
+    except ValueError:  # a from-hf / from-megatron weights checkpoint has no step in its name
+        return 0
+
+
 def to_torch_cmd(a) -> str:
     from hybridpar.convert import write_safetensors_streaming
 
@@ -114,18 +176,29 @@ def to_torch_cmd(a) -> str:
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("to-hf", "to-torch"):
+    for name in ("to-hf", "to-torch", "to-megatron"):
         s = sub.add_parser(name)
         s.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest)")
         s.add_argument("--out", type=Path, required=True)
         s.add_argument("--overwrite", action="store_true")
+        if name == "to-megatron":
+            s.add_argument("--iteration", type=int,
+                           help="iteration number of the save (default: the checkpoint's step)")
+    s = sub.add_parser("from-megatron")
+    s.add_argument("--megatron", type=Path, required=True,
+                   help="a Megatron-LM save directory (latest_checkpointed_iteration.txt) or one iter_XXXXXXX "
+                        "directory")
+    s.add_argument("--iteration", type=int, help="which iteration of the save directory (default: its latest)")
+    s.add_argument("--out", type=Path, required=True)
+    s.add_argument("--overwrite", action="store_true")
     s = sub.add_parser("from-hf")
     s.add_argument("--hf", type=Path, required=True, help="a transformers folder: config.json + *.safetensors")
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
     try:
-        message = {"to-hf": to_hf_cmd, "from-hf": from_hf_cmd, "to-torch": to_torch_cmd}[a.cmd](a)
+        message = {"to-hf": to_hf_cmd, "from-hf": from_hf_cmd, "to-torch": to_torch_cmd,
+                   "from-megatron": from_megatron_cmd, "to-megatron": to_megatron_cmd}[a.cmd](a)
     except ImportError as e:
         print(f"error: {e.name or e} is needed for {a.cmd}: pip install -e \".[hf]\"", file=sys.stderr)
         return 2

@@ -34,7 +34,11 @@ class ModelConfig:
     position: Literal["learned", "rope"] = doc("learned", "position encoding: learned absolute embeddings or rotary")
     rope_theta: float = doc(10000.0, "RoPE base frequency")
     mlp: Literal["gelu", "swiglu"] = doc("gelu", "MLP kind: GELU (up, down) or SwiGLU (gate, up, down)")
+    gelu_approx: Literal["tanh", "none"] = doc("tanh", "GELU of the gelu MLP: 'tanh' (GPT-2) or 'none' (exact erf, "
+                                               "Megatron-LM's default)")
     bias: bool = doc(True, "biases in linear layers and norms")
+    qkv_bias: Optional[bool] = doc(None, "biases on Q, K, V; None = as bias (Megatron-LM's --add-qkv-bias sets it alone)")
+    norm_bias: Optional[bool] = doc(None, "LayerNorm biases; None = as bias")
     tie_embeddings: bool = doc(True, "share the input embedding with the LM head")
     dropout: float = doc(0.0, "dropout on attention probabilities and residual branches")
     init_std: float = doc(0.02, "std of the normal init; residual output projections get std/sqrt(2*n_layers)")
@@ -45,6 +49,14 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def attn_bias(self) -> bool:
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def ln_bias(self) -> bool:
+        return self.bias if self.norm_bias is None else self.norm_bias
 
     @property
     def head_dim(self) -> int:
@@ -80,6 +92,8 @@ class ModelConfig:
             raise ValueError(f"model.norm={self.norm!r}: use 'layernorm' or 'rmsnorm'")
         if self.position not in ("learned", "rope"):
             raise ValueError(f"model.position={self.position!r}: use 'learned' or 'rope'")
+        if self.gelu_approx not in ("tanh", "none"):
+            raise ValueError(f"model.gelu_approx={self.gelu_approx!r}: use 'tanh' (GPT-2) or 'none' (exact erf)")
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"model.mlp={self.mlp!r}: use 'gelu' or 'swiglu'")
 

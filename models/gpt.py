@@ -23,7 +23,7 @@ from .init import keyed_normal_
 def _norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.ln_bias)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,9 +115,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         # Separate Q, K, V projections: each is column-parallel on its own, so a tensor-parallel rank gets whole
         # heads of every one of them without re-ordering a fused weight.
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.core = AttentionCore(cfg.dropout)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
 
@@ -131,7 +131,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.swiglu = cfg.mlp == "swiglu"
+        self.swiglu, self.gelu_approx = cfg.mlp == "swiglu", cfg.gelu_approx
         if self.swiglu:
             self.gate = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
         self.up = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
@@ -140,7 +140,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.down(F.silu(self.gate(x)) * self.up(x))  # SwiGLU (Shazeer 2020)
-        return self.down(F.gelu(self.up(x), approximate="tanh"))  # GPT-2's tanh GELU
+        return self.down(F.gelu(self.up(x), approximate=self.gelu_approx))  # GPT-2: tanh; Megatron-LM: exact
 
 
 class Block(nn.Module):
