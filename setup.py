@@ -1,8 +1,8 @@
 """hybridpar: hybrid tensor + data parallel GPT pretraining on PyTorch.
 
 The zoo folder models/ installs as `hybridpar.models` (package_dir), so no top-level `models` package lands in
-site-packages. NVIDIA apex is optional and detected at import; it is never a dependency (the PyPI package named
-`apex` is an unrelated project).
+site-packages. NVIDIA apex is not used (its fused norms and optimizer would need GPU measurements against torch's
+own fused kernels first) and never a dependency: the PyPI package named `apex` is an unrelated project.
 """
 
 from setuptools import setup

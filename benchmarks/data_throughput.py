@@ -59,7 +59,7 @@ def main() -> None:
             loader = GlobalBatchLoader(train, 32, 8, 0, 1, 4096, "train", prefetch=0)
             start = time.perf_counter()
             for s in range(batches):
-                loader._load(s)
+                loader.load(s)
             dt = time.perf_counter() - start
             print(f"loader: {32 * batches / dt:,.0f} samples/s of {a.seq_len + 1} tokens "
                   f"({32 * batches * a.seq_len / dt / 1e6:.1f} M tokens/s), global batch 32, dp=1")

@@ -257,7 +257,7 @@ class Checkpointer:
         if changes and not trainer.cfg.checkpoint.allow_data_change:
             raise CheckpointError(f"resuming from {path} with other data settings ({'; '.join(changes)}): the "
                                   f"saved data position would index other samples; restore them, start a new "
-                                  f"--run.dir, or pass --checkpoint.allow_data_change true")
+                                  f"run with --run.name NAME, or pass --checkpoint.allow_data_change true")
         metadata = read_metadata(path)  # a crafted or damaged checkpoint fails here, as a one-line error
         saved = metadata.state_dict_metadata
         with_optim = not weights_only and any(k.startswith("optim.") for k in saved)  # a seed checkpoint has none

@@ -2,8 +2,8 @@
 
 Sections: model, parallel, train, optim, data, checkpoint, logging (with logging.wandb), profile, run. Each validates its
 own fields in __post_init__; `Config.__post_init__` checks what spans sections (batch arithmetic, sequence length
-against the model's context). What depends on the world size is checked by hybridpar.distributed when the mesh is
-built, still before any model exists. Loading from YAML and the command line lives in hybridpar.config_cli.
+against the model's context). What depends on the world size is checked by hybridpar.parallel.check_layout when the
+mesh is built, still before any model exists. Loading from YAML and the command line lives in hybridpar.config_cli.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ class ParallelConfig:
     tp: int = doc(1, "tensor-parallel degree, inside a node (the innermost mesh axis)")
     backend: Optional[str] = doc(None, "process-group backend; None = nccl on CUDA, gloo on CPU")
     sequence_parallel: bool = doc(True, "shard norms/dropout/residuals along the sequence between TP regions (when tp > 1)")
-    fsdp_strategy: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = doc(
-        "full_shard", "full_shard: reshard after forward; shard_grad_op: keep params gathered until backward; "
-        "hybrid_shard: replicate x shard (needs dp_replicate > 1); no_shard: plain data parallel (needs dp_shard = 1)")
+    fsdp_strategy: Literal["full_shard", "shard_grad_op"] = doc(
+        "full_shard", "full_shard: each block's parameters resharded after its forward (gathered again for backward); "
+        "shard_grad_op: kept gathered until backward. HSDP and plain DP come from the layout (dp_replicate, dp_shard)")
     fsdp_prefetch: int = doc(1, "blocks whose parameters are all-gathered ahead of use, in forward and in backward "
                                 "(1 = the next block, FSDP2's own default; 2+ overlaps more, holds more memory)")
     timeout_minutes: float = doc(10.0, "collective timeout: a rank that stops answering ends the job after this long")
@@ -217,7 +217,8 @@ class ProfileConfig:
 @dataclass
 class RunConfig:
     dir: Optional[str] = doc(None, "run directory (config.yaml, metrics.jsonl, ...); None = runs/<name>")
-    name: Optional[str] = doc(None, "run name; None = <model.name>-<date>-<time>")
+    name: Optional[str] = doc(None, "run name; None = the --config file's name without .yaml, else model.name (stable: "
+                                    "the same command continues the same run)")
     overwrite: bool = doc(False, "allow a run.dir that already holds a run's metrics (they are replaced)")
 
 

@@ -156,6 +156,8 @@ def _build_model(values: dict) -> ModelConfig:
         if key not in hints:
             raise _unknown("model." + key, all_keys())
         overrides[key] = _convert("model." + key, value, hints[key])
+    if "vocab_size" in overrides:  # a vocabulary given by the user is used as given (and checked against the tokenizer)
+        overrides.setdefault("vocab_from_tokenizer", False)
     try:
         return get_model_config(name, **overrides)
     except ValueError as e:
@@ -228,6 +230,10 @@ def load_config(argv: list[str]) -> Config:
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {config_path} must hold a mapping of sections")
     tree = _merge(tree, overrides)
+    run = tree.get("run")
+    if config_path is not None and (run is None or isinstance(run, dict) and run.get("name") is None):
+        # A stable default: the same command (same config file) continues the same run in runs/<name>.
+        tree["run"] = {**(run or {}), "name": Path(config_path).stem}
     return config_from_dict(tree)
 
 
@@ -272,8 +278,9 @@ def help_text(prog: str = "launch/pretrain_gpt.py") -> str:
             lines.append(f"  --{prefix}{f.name} {_type_name(tp).upper() if tp is not bool else '[BOOL]'}")
             lines.append(f"      {f.metadata.get('help', '')} (default: {value!r})")
 
-    lines.append("model: architecture; model.name picks a zoo preset (python launch/model_zoo.py), the other fields override it")
-    walk(ModelConfig, ModelConfig(), "model.")
+    lines.append("model: architecture; model.name picks a zoo preset (python launch/model_zoo.py), the other fields "
+                 "override it; the defaults shown are those of the default preset, tiny")
+    walk(ModelConfig, get_model_config("tiny"), "model.")
     lines.append("")
     for f in dataclasses.fields(Config):
         if f.name != "model":

@@ -188,13 +188,13 @@ def _from_hf(c: dict, hf: dict, hf_dir: Path) -> tuple[ModelConfig, dict[str, to
     fields = {ours: c[theirs] for ours, theirs in CONFIG_FIELDS[fam] if theirs in c and c[theirs] is not None}
     if fam == "gpt2":
         fields.setdefault("ffn_hidden_size", 4 * fields["d_model"])
-        cfg = ModelConfig(name="gpt2-124m", dropout=0.0, **{**fields, **GPT2_KEYS})
+        cfg = ModelConfig(name="gpt2-124m", dropout=0.0, vocab_from_tokenizer=False, **{**fields, **GPT2_KEYS})
         if "transformer.wte.weight" not in hf:  # saved from GPT2Model (no "transformer." prefix)
             hf = {"transformer." + k: v for k, v in hf.items()}
     else:
         fields.setdefault("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         fields.setdefault("tie_embeddings", False)
-        cfg = ModelConfig(name="gpt-modern-1b", dropout=0.0, **{**fields, **LLAMA_KEYS})
+        cfg = ModelConfig(name="gpt-modern-1b", dropout=0.0, vocab_from_tokenizer=False, **{**fields, **LLAMA_KEYS})
         if c.get("head_dim") not in (None, cfg.head_dim):
             raise CheckpointError(f"{hf_dir}: head_dim {c['head_dim']} != hidden_size / heads = {cfg.head_dim}; "
                                   f"hybridpar's GPT needs d_model = n_heads x head_dim")
@@ -205,6 +205,37 @@ def _from_hf(c: dict, hf: dict, hf_dir: Path) -> tuple[ModelConfig, dict[str, to
         sd["lm_head.weight"] = sd["tok_embeddings.weight"]
     cfg.validate()
     return cfg, {k: v.contiguous() for k, v in sd.items()}
+
+
+def export_hf_tokenizer(ckpt: Path, out: Path, max_len: int) -> tuple[int | None, str]:
+    """Write the run's tokenizer as a transformers tokenizer (AutoTokenizer.from_pretrained(out) loads it), with its
+    end-of-document token as eos, bos and pad (hybridpar's tokenizers have no separate padding token). Returns
+    (end-of-document id, what was written); the id is None for the byte tokenizer, which transformers has no
+    class for."""
+    from hybridpar.data.tokenizer import EOD_TOKEN
+
+    if (ckpt / "tokenizer.json").is_file():  # train-bpe, bpe:PATH, gpt2:DIR
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+        eod = tok.token_to_id(EOD_TOKEN)
+        eod = eod if eod is not None else tok.get_vocab_size() - 1  # hybridpar's rule (hybridpar.data.tokenizer)
+        text = tok.id_to_token(eod)
+        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=text, bos_token=text, pad_token=text,
+                                model_max_length=max_len).save_pretrained(out)
+        return eod, f"tokenizer (end of document {text!r} = id {eod})"
+    if (ckpt / "tokenizer.model").is_file():  # sentencepiece:MODEL
+        import sentencepiece as spm
+        from transformers import LlamaTokenizer
+
+        sp = spm.SentencePieceProcessor(model_file=str(ckpt / "tokenizer.model"))
+        eod = sp.eos_id() if sp.eos_id() >= 0 else sp.get_piece_size() - 1
+        text = sp.id_to_piece(eod)
+        LlamaTokenizer(vocab_file=str(ckpt / "tokenizer.model"), eos_token=text, pad_token=text,
+                       model_max_length=max_len, legacy=False).save_pretrained(out)
+        return eod, f"SentencePiece tokenizer (end of document {text!r} = id {eod})"
+    return None, "no tokenizer (the byte tokenizer has no transformers class; ids are the UTF-8 bytes, eos 0)"
 
 
 # -- one safetensors file, written tensor by tensor ---------------------------------------------------------------

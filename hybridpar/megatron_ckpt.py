@@ -182,7 +182,7 @@ def config_from_args(args: Namespace, vocab_rows: int) -> ModelConfig:
         name="gpt2-124m" if position == "learned" else "gpt-modern-1b",
         n_layers=a["num_layers"], d_model=hidden, n_heads=heads,
         n_kv_heads=a["num_query_groups"] if a.get("group_query_attention") else heads,
-        ffn_hidden_size=a.get("ffn_hidden_size") or 4 * hidden, vocab_size=vocab_rows,
+        ffn_hidden_size=a.get("ffn_hidden_size") or 4 * hidden, vocab_size=vocab_rows, vocab_from_tokenizer=False,
         max_seq_len=a.get("max_position_embeddings") or a["seq_length"], norm=norm,
         norm_eps=float(a.get("norm_epsilon", a.get("layernorm_epsilon", 1e-5))), position=position,
         rope_theta=float(a.get("rotary_base", 10000)), mlp="swiglu" if a.get("swiglu") else "gelu",

@@ -21,6 +21,14 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
+class StopMidStep(Exception):
+    """Raised between microbatches when a stop was asked for and nothing would be saved: the step is abandoned."""
+
+    def __init__(self, done: int, total: int):
+        super().__init__(f"after microbatch {done} of {total}")
+        self.done, self.total = done, total
+
+
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of the cross entropies of logits (B, T, V) against targets (B, T); IGNORE_INDEX targets count zero.
     Computed in fp32 whatever the logits' dtype."""
@@ -46,25 +54,27 @@ def count_target_tokens(microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -
 def forward_backward_no_pipelining(
     model: nn.Module,
     microbatches: list[tuple[torch.Tensor, torch.Tensor]],
-    num_global_tokens: int,
+    num_global_tokens: torch.Tensor,
     device: torch.device,
     forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = logits_loss,
     grad_scale: float = 1.0,
     autocast=nullcontext,
     loss_context=nullcontext,
+    stop_now: Callable[[], bool] = lambda: False,
 ) -> torch.Tensor:
     """Forward and backward over this rank's microbatches of one global batch; gradients accumulate in .grad.
 
     Args:
         model: the (parallelized) model; called as model(inputs) -> logits.
         microbatches: this rank's (inputs, targets) pairs, each (b, T), on any device.
-        num_global_tokens: target tokens of the whole global batch, all ranks together.
+        num_global_tokens: target tokens of the whole global batch, all ranks together (a device tensor: no host sync).
         device: where to move each microbatch.
         forward_loss: (model, inputs, targets) -> summed token loss: logits_loss or chunked_loss.
         grad_scale: multiplies the backward loss; a data-parallel wrapper that averages gradients over dp ranks
             passes dp_size here so the average becomes the sum the global mean needs.
         autocast: a context-manager factory for mixed precision (around the forward and the loss).
         loss_context: a context-manager factory around loss and backward (tensor parallelism's loss_parallel).
+        stop_now: asked after each microbatch but the last; True raises StopMidStep (the step is abandoned).
     Returns:
         This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
         ranks gives the global batch's mean loss). No host sync happens here.
@@ -82,5 +92,7 @@ def forward_backward_no_pipelining(
                 loss = forward_loss(model, x, y) / num_global_tokens
             (loss * grad_scale).backward()
         loss = loss.detach()
-        total += loss.to_local() if hasattr(loss, "to_local") else loss  # a replicated DTensor under loss_parallel
+        total += loss.to_local() if hasattr(loss, "to_local") else loss
+        if not last and stop_now():
+            raise StopMidStep(i + 1, n)  # a replicated DTensor under loss_parallel
     return total

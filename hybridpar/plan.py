@@ -261,8 +261,7 @@ def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[C
                     for keep in ((False, True) if dp // rep > 1 else (False,)):
                         c = copy.deepcopy(cfg)
                         c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
-                        c.parallel.fsdp_strategy = ("shard_grad_op" if keep else
-                                                    "hybrid_shard" if rep > 1 else "full_shard")
+                        c.parallel.fsdp_strategy = "shard_grad_op" if keep else "full_shard"
                         c.train.micro_batch_size, c.train.activation_checkpointing, c.train.ac_every = micro, ac, 1
                         try:
                             check_layout(c, (rep, dp // rep, tp), gpus_per_node)

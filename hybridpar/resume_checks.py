@@ -69,9 +69,9 @@ def check_model_config(path: Path, cfg) -> None:
     from hybridpar.config_cli import to_dict
 
     now = to_dict(cfg)["model"]
-    shape_fields = [k for k in now if k not in ("dropout", "init_std", "name")]
+    shape_fields = [k for k in now if k not in ("dropout", "init_std", "name", "vocab_from_tokenizer", "vocab_multiple")]
     diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in shape_fields
             if k in saved and saved[k] != now[k]]
     if diff:
         raise CheckpointError(f"checkpoint {path} holds a different model ({'; '.join(diff)}); load it with the "
-                              f"same model config (its config.yaml) or start a new run")
+                              f"same model config (its config.yaml), or start a new run with --run.name NAME")

@@ -12,6 +12,7 @@ buffer of models.init.keyed_normal_) and one tile (16 x 1024 fp32). Nothing full
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -57,10 +58,17 @@ def init_sharded_(model: nn.Module, seed: int) -> None:
 
 def build_parallel_model(cfg: Config, mesh: DeviceMesh, device: torch.device,
                          parallelize: Callable[[nn.Module, DeviceMesh, Config], nn.Module] = parallelize_gpt,
-                         init: bool = True) -> nn.Module:
+                         init: bool = True, report: Callable[[str], None] = lambda _: None) -> nn.Module:
     """cfg's model, parallelised over `mesh` on the meta device, then only this rank's shards materialised on
-    `device` and (with init) initialised from cfg.train.seed, layout-invariantly."""
-    model = parallelize(build_model(cfg.model, device="meta", init=False), mesh, cfg)
+    `device` and (with init) initialised from cfg.train.seed, layout-invariantly. report(line) hears each phase
+    with its time as it ends."""
+    t0 = time.perf_counter()
+    model = build_model(cfg.model, device="meta", init=False)
+    t1 = time.perf_counter()
+    model = parallelize(model, mesh, cfg)
+    t2 = time.perf_counter()
+    report(f"start-up: model built on the meta device in {t1 - t0:.2f}s, parallelised (TP/AC/compile/FSDP "
+           f"wrappers) in {t2 - t1:.2f}s")
     model.to_empty(device=device)
     if cfg.model.tie_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:
         model.tie_weights()  # to_empty of an unwrapped module makes new Parameters (FSDP2's swap keeps them tied)
@@ -68,4 +76,6 @@ def build_parallel_model(cfg: Config, mesh: DeviceMesh, device: torch.device,
         init_sharded_(model, cfg.train.seed)
     else:
         model.init_buffers()
+    report(f"start-up: this rank's shards materialised on {device}" + (" and initialised" if init else "")
+           + f" in {time.perf_counter() - t2:.2f}s")
     return model

@@ -80,10 +80,12 @@ class Trainer:
         gpus_per_node = torch.cuda.device_count() if device.type == "cuda" else None
         check_layout(cfg, (mesh["dp_replicate"].size(), mesh["dp_shard"].size(), self.tp), gpus_per_node)
         cfg.train.precision = resolve_precision(cfg, device)
-        self.log = logger  # opened by fit(): constructing a Trainer writes nothing into run_dir
 
         # Data first: the tokenizer's vocabulary must fit the model before anything is built.
+        self.log = logger  # opened by fit() (or the launcher): constructing a Trainer writes nothing into run_dir
+        t0 = time.perf_counter()
         self.data = build_training_data(cfg, self.dp_rank, self.dp_size, self.tp, pin_memory=device.type == "cuda")
+        self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (tokenizer, indexes, sample order)")
         self.tokenizer = self.data.tokenizer
         t = cfg.train
 
@@ -96,7 +98,7 @@ class Trainer:
                               gpu_by_name(name), name)
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
-        self.model = build_parallel_model(cfg, mesh, device, parallelize, init=init_weights)
+        self.model = build_parallel_model(cfg, mesh, device, parallelize, init=init_weights, report=self.say)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
@@ -112,10 +114,23 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # the data position: samples of all ranks consumed so far
         self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
-        self.stop_requested = False  # set by a signal handler; acted on at the end of the step
-        self._data_seconds = 0.0
+        self.stop_requested = False  # set by a signal handler; acted on at the end of the step (after the current
+        self.stop_signal = 0  # microbatch when no checkpoint would be saved: see _stop_mid_step)
+        self.data_wait_seconds = 0.0  # time train steps waited on data since the last log row (read-ahead hides most)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    def say(self, message: str) -> None:
+        """A console line from rank 0, through the metrics logger once fit() (or the launcher) has opened it."""
+        if self.log is not None:
+            self.log.print(message)
+        elif self.rank == 0:
+            print(message, flush=True)
+
+    def _stop_mid_step(self) -> bool:
+        """Without checkpointing nothing is saved at the step's end, so a stop need not wait for it (a step of a big
+        model on CPU takes minutes)."""
+        return self.stop_requested and self.cfg.checkpoint.interval == 0
 
     # -- collectives over the data-parallel axes -------------------------------------------------------------
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -136,12 +151,13 @@ class Trainer:
             group["lr"] = lr
         t0 = time.perf_counter()
         microbatches = self.data.train.microbatches(step)
-        self._data_seconds += time.perf_counter() - t0  # time the step waited on data (read-ahead hides most)
+        self.data_wait_seconds += time.perf_counter() - t0
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(torch.tensor(float(count_target_tokens(microbatches)), device=self.device))
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
                                               forward_loss=self.forward_loss, grad_scale=self.grad_scale,
-                                              autocast=self.autocast, loss_context=self.loss_context)
+                                              autocast=self.autocast, loss_context=self.loss_context,
+                                              stop_now=self._stop_mid_step)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip)
         # One small sync per step: the norm (already global) and the stop votes of all ranks, read together.
         stop = torch.tensor([float(self.stop_requested)], device=self.device)
@@ -154,8 +170,8 @@ class Trainer:
         else:
             self.skipped_steps += 1
             self.consecutive_skips += 1
-            self.log.print(f"warning: step {step + 1}: gradient norm is {norm_value}; optimizer step skipped "
-                           f"({self.consecutive_skips} in a row, {self.skipped_steps} in total)")
+            self.say(f"warning: step {step + 1}: gradient norm is {norm_value}; optimizer step skipped "
+                     f"({self.consecutive_skips} in a row, {self.skipped_steps} in total)")
             if self.consecutive_skips > self.cfg.train.max_skipped_steps:
                 raise TrainingDiverged(f"{self.consecutive_skips} non-finite steps in a row (more than "
                                        f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}); the last "
@@ -193,8 +209,9 @@ class Trainer:
         self.log.print(
             f"model {cfg.model.name}: {count_params(self.model) / 1e6:.2f}M parameters | device {self.device} "
             f"({cfg.train.precision}) | mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}\n"
-            f"data {self.data.description}: {len(self.data.train.dataset):,} train samples of {t.seq_len + 1} "
-            f"tokens, split {cfg.data.split}, tokenizer {cfg.data.tokenizer} ({self.tokenizer.vocab_size} tokens)\n"
+            f"data {self.data.description}: {self.data.samples_line(t.steps * t.global_batch_size, t.seq_len + 1)}, "
+            f"split {cfg.data.split}, tokenizer {cfg.data.tokenizer} "
+            f"({self.tokenizer.vocab_size} tokens; model vocab {cfg.model.vocab_size})\n"
             f"batch {t.global_batch_size} x {t.seq_len} = {tokens_per_step:,} tokens/step, "
             f"{cfg.grad_accum_steps(self.dp_size)} microbatch(es) of {t.micro_batch_size} per rank"
             + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss) else ""))
@@ -206,6 +223,7 @@ class Trainer:
         if t.eval_interval and self.step == 0 and t.steps > 0:  # (a seed-checkpoint start skips it)
             self._validate(result)
         last_time, last_step = time.perf_counter(), self.step
+        first_step = self.step + 1
         profile_range, profiler = cfg.profile.range, None
         while self.step < t.steps:
             if profile_range and self.step + 1 == profile_range[0]:
@@ -213,6 +231,10 @@ class Trainer:
             loss, grad_norm, lr, stop = self.train_step(self.step)
             self.step += 1
             done = self.step == t.steps
+            if self.step == first_step and self.step % cfg.logging.interval and not done:
+                # The first step of this start is slow (allocations, kernel selection, compile): say it ended.
+                self.say(f"step {self.step}: first step done in {time.perf_counter() - last_time:.1f}s (loss "
+                         f"{float(self._dp_sum(loss.clone())):.4f}); next lines every {cfg.logging.interval} steps")
             if profiler is not None and self.step == profile_range[1]:
                 self._stop_profiler(profiler, profile_range)
                 profiler = None
@@ -258,7 +280,7 @@ class Trainer:
         row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops, "step_time": step_time,
                "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
-               "data_time": min(1.0, self._data_seconds / elapsed), "consumed_tokens": self.step * tokens_per_step,
+               "data_time": min(1.0, self.data_wait_seconds / elapsed), "consumed_tokens": self.step * tokens_per_step,
                "skipped_steps": self.skipped_steps}
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
@@ -268,7 +290,7 @@ class Trainer:
                        mem_reserved_gib=torch.cuda.memory_reserved(self.device) / gib,
                        mem_peak_gib=torch.cuda.max_memory_allocated(self.device) / gib)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._data_seconds = 0.0
+        self.data_wait_seconds = 0.0
         return row
 
     def _start_profiler(self):

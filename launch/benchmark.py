@@ -54,7 +54,7 @@ class _Marks:
         return b - a
 
 
-def bench_hybridpar(cfg, warmup: int, steps: int) -> dict:
+def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device]:
     world = world_from_env()
     device = pick_device(cfg.train.device, world.local_rank)
     mesh = init_mesh(cfg.parallel, device, world)
@@ -70,7 +70,7 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> dict:
     for s in range(warmup + steps):
         if s == warmup:
             opt_marks.clear()
-            trainer._data_seconds = 0.0
+            trainer.data_wait_seconds = 0.0
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -78,7 +78,7 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> dict:
         trainer.train_step(s)
         step_marks.append((start, marks.mark()))
     timed = [marks.seconds(a, b) for a, b in step_marks[warmup:]]
-    data_s, optimizer_s = trainer._data_seconds, sum(marks.seconds(a, b) for a, b in opt_marks)
+    data_s, optimizer_s = trainer.data_wait_seconds, sum(marks.seconds(a, b) for a, b in opt_marks)
     step_time = statistics.median(timed)
     t = cfg.train
     tps = t.global_batch_size * t.seq_len / step_time

@@ -55,7 +55,7 @@ def _our_metas(ckpt: Path) -> dict:
 
 
 def to_hf_cmd(a) -> str:
-    from hybridpar.convert import family, hf_export_plan, write_safetensors_streaming
+    from hybridpar.convert import export_hf_tokenizer, family, hf_export_plan, write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _model_config(ckpt)
@@ -69,11 +69,17 @@ def to_hf_cmd(a) -> str:
         return make([sd[o] for o in ours])
 
     a.out.mkdir(parents=True, exist_ok=True)
+    eod, tokenizer_note = export_hf_tokenizer(ckpt, a.out, cfg.max_seq_len)
+    eod = 0 if eod is None else eod  # the byte tokenizer's end of document
+    # The run's own special ids, not GPT-2's 50256, so that generate() stops at an end of document.
+    hf_cfg.bos_token_id = hf_cfg.eos_token_id = hf_cfg.pad_token_id = eod
     hf_cfg.save_pretrained(a.out)
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(a.out)
     write_safetensors_streaming(a.out / "model.safetensors", metas, load_one)
-    if (ckpt / "tokenizer.json").is_file():
-        shutil.copy(ckpt / "tokenizer.json", a.out / "tokenizer.json")
-    return f"wrote {a.out} ({hf_cfg.architectures[0]}, {len(metas)} tensors, one at a time) from {ckpt}"
+    return (f"wrote {a.out} ({hf_cfg.architectures[0]}, {len(metas)} tensors, one at a time; {tokenizer_note}) "
+            f"from {ckpt}")
 
 
 def from_hf_cmd(a) -> str:

@@ -1,7 +1,7 @@
 """Plan a run: per-GPU memory by part, an estimated step time, and the layouts that fit, ranked by tokens/s.
 
     python launch/plan.py --model.name gpt3-175b --cluster.nodes 128 --cluster.gpus_per_node 8 \\
-        --parallel.tp 8 --parallel.dp_replicate 2 --parallel.fsdp_strategy hybrid_shard \\
+        --parallel.tp 8 --parallel.dp_replicate 2 \\
         --train.global_batch_size 1536 --train.seq_len 2048 --train.micro_batch_size 1 --cluster.gpu h100
     python launch/plan.py --model.name gpt3-1.3b --cluster.gpus_per_node 1 --dry-run --json
 

@@ -20,18 +20,19 @@ from hybridpar.data.tokenizer import load_tokenizer
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="input files (.jsonl[.gz|.zst], .json, or text)")
     p.add_argument("--json-key", default="text", help="key of the document text in each JSON line")
     p.add_argument("--tokenizer", required=True, help="bytes, bpe:PATH, gpt2:DIR or sentencepiece:MODEL")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="end each document with the tokenizer's end-of-document token (default on)")
+                   help="end each document with the tokenizer's end-of-document token")
     p.add_argument("--blank-line-docs", action="store_true", help="text files: one document per blank-line block")
     p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
     p.add_argument("--strict", action="store_true",
-                   help="refuse a JSON record whose text is null or not a string (default: skip and count it)")
+                   help="refuse a JSON record whose text is null or not a string (otherwise skipped and counted)")
     a = p.parse_args(argv)
     try:
         if a.workers < 1:

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -22,13 +21,16 @@ from hybridpar.config_cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
 from hybridpar.errors import ConfigError, RunDirError, UserError
 from hybridpar.metrics import MetricsLogger
+from hybridpar.microbatch import StopMidStep
 from hybridpar.resume_checks import read_run_state
 from hybridpar.run_dir import RunDirLock
 from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult
 
 
-EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1 after saving: requeue me (EX_TEMPFAIL)
+EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/SIGINT after saving: requeue me (EX_TEMPFAIL)
 EXIT_ABORTED = 76  # a second signal arrived while the preemption save was running
+# Stopped by a signal with nothing saved (checkpoint.interval 0): 128 + the signal's number, the shell's convention
+# for "ended by a signal", so that a requeue wrapper waiting for 75 does not restart the run from step 0.
 PREEMPTED = "PREEMPTED"  # <run.dir>/PREEMPTED: written when the run saved and stopped on a signal
 
 
@@ -43,8 +45,8 @@ def _broadcast(value):
 def lock_run_dir(cfg: Config, rank: int) -> RunDirLock | None:
     """Fill run.name and run.dir (the same on every rank), then take the run dir's lock on rank 0 before anything
     reads or writes it. Every rank raises RunDirError if the lock cannot be had."""
-    if cfg.run.name is None:
-        cfg.run.name = _broadcast(f"{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if cfg.run.name is None:  # stable, so that starting the same command again continues the run
+        cfg.run.name = cfg.model.name
     if cfg.run.dir is None:
         cfg.run.dir = str(Path("runs") / cfg.run.name)
     lock, error = None, None
@@ -67,8 +69,9 @@ def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
         return run_dir, resolve_load_path(cfg.checkpoint.load)
     latest = latest_checkpoint(run_dir)
     if latest is None and (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
-        raise ConfigError(f"run.dir={cfg.run.dir!r} already holds a run (metrics.jsonl) and no checkpoint to resume "
-                          f"from; pass a new --run.dir, or --run.overwrite true to replace it")
+        raise ConfigError(f"run.dir={cfg.run.dir!r} already holds a run (metrics.jsonl) without a checkpoint to "
+                          f"continue from (checkpoint.interval 0 saves none); start another run with --run.name NAME, "
+                          f"or replace this one with --run.overwrite true")
     return run_dir, latest
 
 
@@ -91,17 +94,29 @@ def _keep_metrics_until(path: Path, step: int) -> None:
 
 
 def _install_signal_handlers(trainer: Trainer) -> None:
-    """SIGTERM / SIGUSR1 (SLURM's warning before preemption or the time limit): finish the step, save, exit
-    EXIT_PREEMPTED. A second signal while that is under way aborts at once (the previous checkpoint stays)."""
+    """SIGTERM / SIGUSR1 (SLURM's warning before preemption or the time limit) / SIGINT (Ctrl-C): with checkpointing,
+    finish the step, save, exit EXIT_PREEMPTED; without, stop after the current microbatch and exit 128 + signal.
+    A second signal aborts at once (the previous checkpoint stays)."""
+    saving = trainer.cfg.checkpoint.interval > 0
+
     def handler(signum, _frame):
         if trainer.stop_requested:
             print(f"signal {signal.Signals(signum).name} again: aborting", file=sys.stderr, flush=True)
             os._exit(EXIT_ABORTED)
-        print(f"signal {signal.Signals(signum).name}: stopping after this step", file=sys.stderr, flush=True)
-        trainer.stop_requested = True
+        print(f"signal {signal.Signals(signum).name}: stopping " + ("after this step, with a checkpoint" if saving else
+              "after the current microbatch (no checkpoint: checkpoint.interval 0)"), file=sys.stderr, flush=True)
+        trainer.stop_requested, trainer.stop_signal = True, signum
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, handler)
+
+
+class StoppedWithoutCheckpoint(Exception):
+    """A signal stopped a run that saves no checkpoints: nothing to resume from."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 def main(cfg: Config) -> TrainResult:
@@ -123,6 +138,13 @@ def main(cfg: Config) -> TrainResult:
             if not cfg.checkpoint.load_weights_only and cfg.logging.wandb.id is None:
                 cfg.logging.wandb.id = read_run_state(load_from).get("wandb_id")
         resumed = trainer.step > 0
+        if load_from is not None and not cfg.checkpoint.load_weights_only and trainer.step >= cfg.train.steps:
+            if world.rank == 0:  # e.g. the run's own config.yaml passed back: nothing to do, and nothing is touched
+                print(f"{run_dir}: the run is already at step {trainer.step} ({load_from.name}), at or past "
+                      f"train.steps={cfg.train.steps}: nothing to train, nothing written; raise --train.steps to "
+                      f"continue it", flush=True)
+            trainer.data.close()
+            return TrainResult()
         if world.rank == 0:  # only now, with every input checked, does the run write anything
             lock.keep_dirs()
             if resumed:
@@ -143,7 +165,19 @@ def main(cfg: Config) -> TrainResult:
         _install_signal_handlers(trainer)
         if world.rank == 0:
             (run_dir / PREEMPTED).unlink(missing_ok=True)
-        result = trainer.fit()
+            if os.environ.get("SLURM_JOB_ID") and cfg.checkpoint.interval == 0:
+                trainer.log.print(f"warning: SLURM job {os.environ['SLURM_JOB_ID']} runs with checkpoint.interval 0: "
+                                  f"a preemption, time limit or requeue loses the run; set --checkpoint.interval N")
+        try:
+            result = trainer.fit()
+        except StopMidStep as e:
+            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} in step "
+                                           f"{trainer.step + 1}, {e}; nothing saved (checkpoint.interval 0), so "
+                                           f"the run cannot be resumed", trainer.stop_signal) from None
+        if result.preempted and cfg.checkpoint.interval == 0:
+            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} after step "
+                                           f"{trainer.step}; nothing saved (checkpoint.interval 0), so the run cannot "
+                                           f"be resumed", trainer.stop_signal)
         if result.preempted and world.rank == 0:
             # For job scripts: torchrun turns a worker's exit status into its own, so the marker file says it.
             (run_dir / PREEMPTED).write_text(f"step {trainer.step}\n")
@@ -170,6 +204,9 @@ def cli(argv: list[str]) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except StoppedWithoutCheckpoint as e:
+        print(str(e), file=sys.stderr)
+        return e.exit_code
     except UserError as e:  # user-caused: one line; anything else is an internal error and keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,15 +19,16 @@ from hybridpar.data.tokenizer import train_bpe
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="input files (.jsonl[.gz|.zst], .json, or text)")
-    p.add_argument("--json-key", default="text")
+    p.add_argument("--json-key", default="text", help="key of the document text in each JSON line")
     p.add_argument("--vocab-size", type=int, default=32000, help="tokens, including the byte alphabet")
     p.add_argument("--output", required=True, help="tokenizer.json to write")
     p.add_argument("--blank-line-docs", action="store_true", help="text files: one document per blank-line block")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     p.add_argument("--strict", action="store_true",
-                   help="refuse a JSON record whose text is null or not a string (default: skip and count it)")
+                   help="refuse a JSON record whose text is null or not a string (otherwise skipped and counted)")
     a = p.parse_args(argv)
     try:
         if a.vocab_size < 512:

@@ -27,7 +27,11 @@ class ModelConfig:
     n_heads: int = doc(4, "attention (query) heads")
     n_kv_heads: Optional[int] = doc(None, "key/value heads for grouped-query attention; None = n_heads")
     ffn_hidden_size: Optional[int] = doc(None, "MLP inner width; None = 4*d_model (gelu) or 8/3*d_model rounded up to 256 (swiglu)")
-    vocab_size: int = doc(8192, "embedding rows; a multiple of 128 is fastest and must cover the tokenizer")
+    vocab_size: int = doc(8192, "embedding rows (the preset's by default); must cover the tokenizer and divide by tp")
+    vocab_from_tokenizer: bool = doc(True, "training sets vocab_size from the tokenizer, its size padded up to a "
+                                           "multiple of vocab_multiple x tp; giving --model.vocab_size turns this off")
+    vocab_multiple: int = doc(128, "padding multiple of a vocabulary taken from the tokenizer (Megatron-LM's "
+                                   "--make-vocab-size-divisible-by); 1 keeps it exact")
     max_seq_len: int = doc(256, "context length the model is built for (learned positions, RoPE tables)")
     norm: Literal["layernorm", "rmsnorm"] = doc("layernorm", "normalisation layer (pre-norm)")
     norm_eps: float = doc(1e-5, "epsilon of the norm layers")
@@ -73,7 +77,7 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the value and the fix when the architecture is inconsistent."""
-        for f in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len"):
+        for f in ("n_layers", "d_model", "n_heads", "vocab_size", "max_seq_len", "vocab_multiple"):
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"model.{f}={v!r} must be a positive integer")

@@ -16,7 +16,7 @@ import torch
 
 from conftest import ROOT, run_cli
 from hybridpar.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints,
-                                  load_full_model_state, read_trainer_state, resolve_load_path)
+                                  load_full_model_state, read_trainer_state, resolve_load_path, step_of)
 
 STEPS = 8
 COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",
@@ -79,10 +79,10 @@ def test_kill_9_and_resume_is_bitwise_exact(kill_point, reference, tmp_path, cac
     delay = random.Random(kill_point).uniform(0.0, 1.5) if kill_point.startswith("random") else 0.0
     _kill_when(run_dir, cache_dir, ready, delay)
     resume_from = latest_checkpoint(run_dir)
-    assert resume_from is not None and int(resume_from.name[5:]) >= 4
+    assert resume_from is not None and step_of(resume_from) >= 4
     out = run_cli(_args(cache_dir, run_dir))  # same command: resumes from the latest complete checkpoint
     assert out.returncode == 0, out.stderr[-3000:]
-    n = int(resume_from.name[5:])
+    n = step_of(resume_from)
     assert f"resuming from {resume_from} (step {n}, {n * 8} samples)" in out.stdout  # global batch 8
     # The data position survives the resume: the final checkpoint has consumed steps x global batch samples.
     assert read_trainer_state(checkpoint_dir(run_dir, STEPS)) == {"step": STEPS, "consumed_samples": STEPS * 8,
@@ -162,7 +162,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(reference, tmp_path, cache_d
     assert proc.returncode == 75, stderr[-3000:]
     assert "signal SIGTERM: stopping after this step" in stderr
     saved = latest_checkpoint(run_dir)
-    stopped_at = int(saved.name[5:])
+    stopped_at = step_of(saved)
     assert 3 <= stopped_at < STEPS and f"saved checkpoint {saved}" in stdout
     out = run_cli(_args(cache_dir, run_dir, "--checkpoint.interval", "100"))
     assert out.returncode == 0, out.stderr[-3000:]

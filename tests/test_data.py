@@ -88,13 +88,22 @@ def test_tokenizer_spec_errors(tmp_path):
 
 
 def test_vocab_padding_rule():
-    cfg = load_config([])
-    bpe = type("T", (), {"vocab_size": 4096, "spec": "x"})()
-    check_vocab(cfg, bpe, tp=2)
+    tok = lambda n: type("T", (), {"vocab_size": n, "spec": "x"})()  # noqa: E731
+    # not given: the tokenizer's size padded up to vocab_multiple x tp (hand-computed: 50257 -> 393 x 128 = 50304)
+    for argv, n, tp, want in [([], 50257, 1, 50304), ([], 50257, 2, 50432), ([], 4096, 1, 4096),
+                              (["--model.vocab_multiple", "1"], 50257, 1, 50257),
+                              (["--model.vocab_multiple", "64"], 1000, 4, 1024)]:
+        cfg = load_config(argv)
+        check_vocab(cfg, tok(n), tp=tp)
+        assert cfg.model.vocab_size == want, (argv, n, tp)
+    # given: used as given, refused when smaller than the tokenizer's or not divisible by tp
+    cfg = load_config(["--model.vocab_size", "5000"])
+    check_vocab(cfg, tok(4096), tp=1)
+    assert cfg.model.vocab_size == 5000
     with pytest.raises(ValueError, match="has 5000 tokens but model.vocab_size=4096; set --model.vocab_size 5120"):
-        check_vocab(cfg, type("T", (), {"vocab_size": 5000, "spec": "x"})(), tp=1)
-    with pytest.raises(ValueError, match=r"model.vocab_size=4160 is not a multiple of 128 x tp = 128; set --model.vocab_size 4224"):
-        check_vocab(load_config(["--model.vocab_size", "4160"]), bpe, tp=1)
+        check_vocab(load_config(["--model.vocab_size", "4096"]), tok(5000), tp=1)
+    with pytest.raises(ValueError, match=r"model.vocab_size=4161 does not divide by parallel.tp=2; set --model.vocab_size 4162"):
+        check_vocab(load_config(["--model.vocab_size", "4161"]), tok(4096), tp=2)
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])

@@ -114,8 +114,6 @@ def test_degrees_fill_and_mismatch():
     (["--model.vocab_size", "4098"], (1, 1, 4), None, "model.vocab_size=4098"),
     (["--train.seq_len", "66"], (1, 1, 4), None, "train.seq_len (sequence parallel)=66"),
     ([], (1, 1, 4), 2, "parallel.tp=4 exceeds the 2 GPUs of a node"),
-    (["--parallel.fsdp_strategy", "hybrid_shard"], (1, 4, 1), None, "hybrid_shard needs parallel.dp_replicate > 1"),
-    (["--parallel.fsdp_strategy", "no_shard"], (1, 4, 1), None, "no_shard replicates parameters"),
     (["--train.global_batch_size", "32", "--train.micro_batch_size", "16"], (1, 4, 1), None,
      "micro_batch_size=16 x data-parallel size 4"),
 ])

@@ -26,13 +26,11 @@ _spec.loader.exec_module(plan_cli)
 # ceil-sized chunks leave the last ones short (gpt3-13b's 6288-row vocabulary shard over 128 dp ranks gives the
 # last rank nothing).
 DRY_RUNS = [
-    ("tiny", 1, 8, ["--parallel.tp", "2", "--parallel.dp_replicate", "2", "--parallel.fsdp_strategy",
-                    "hybrid_shard"], 5),
+    ("tiny", 1, 8, ["--parallel.tp", "2", "--parallel.dp_replicate", "2"], 5),
     ("gpt-modern-1b", 8, 8, ["--parallel.tp", "8"], 63),
     ("gpt2-1.5b", 8, 8, ["--parallel.tp", "1"], 17),
     ("gpt3-13b", 128, 8, ["--parallel.tp", "8"], 1023),
-    ("gpt3-175b", 128, 8, ["--parallel.tp", "8", "--parallel.dp_replicate", "2", "--parallel.fsdp_strategy",
-                           "hybrid_shard"], 0),
+    ("gpt3-175b", 128, 8, ["--parallel.tp", "8", "--parallel.dp_replicate", "2"], 0),
 ]
 
 

@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
         from hybridpar.models import build_model, get_model_config
         from hybridpar.parallel.fsdp import apply_fsdp
         from hybridpar.config import ParallelConfig
-        from hybridpar.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         out = {}
@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
         ref = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
         tp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
         tp.load_state_dict(ref.state_dict())
-        parallelize_module(tp, mesh, {"0": ColumnParallelLinear(), "2": RowParallelLinear()})
+        parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         x = torch.randn(4, 16)
         x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
         y_ref, y_tp = ref(x_ref), tp(x_tp)

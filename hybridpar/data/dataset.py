@@ -47,16 +47,21 @@ def prepare_builtin(cfg: Config, cache_dir: Path):
 
 
 def check_vocab(cfg: Config, tokenizer, tp: int) -> None:
-    """The model's vocabulary holds the tokenizer's, padded to a multiple of 128 x tp (Megatron's rule)."""
-    v, need = cfg.model.vocab_size, tokenizer.vocab_size
-    pad = 128 * tp
+    """With model.vocab_from_tokenizer, set model.vocab_size to the tokenizer's vocabulary padded up to a multiple
+    of vocab_multiple x tp (Megatron-LM's rule); else check that the given size holds the tokenizer's and divides by
+    tp."""
+    m, need = cfg.model, tokenizer.vocab_size
+    pad = m.vocab_multiple * tp
     padded = pad * math.ceil(need / pad)
-    if v < need:
-        raise ConfigError(f"tokenizer {tokenizer.spec!r} has {need} tokens but model.vocab_size={v}; set "
-                         f"--model.vocab_size {padded}")
-    if v % pad:
-        raise ConfigError(f"model.vocab_size={v} is not a multiple of 128 x tp = {pad}; set --model.vocab_size "
-                         f"{pad * math.ceil(v / pad)}")
+    if m.vocab_from_tokenizer:
+        m.vocab_size = padded
+        return
+    if m.vocab_size < need:
+        raise ConfigError(f"tokenizer {tokenizer.spec!r} has {need} tokens but model.vocab_size={m.vocab_size}; set "
+                          f"--model.vocab_size {padded}, or leave it out to take the tokenizer's")
+    if m.vocab_size % tp:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} does not divide by parallel.tp={tp}; set "
+                          f"--model.vocab_size {tp * math.ceil(m.vocab_size / tp)}")
 
 
 def unigram_loss(prefix: str, fractions, vocab_size: int) -> float:
@@ -91,6 +96,19 @@ class TrainingData:
     def close(self) -> None:
         self.train.close()
 
+    def samples_line(self, needed: int, tokens: int) -> str:
+        """How many training samples exist and why: train.steps x global batch asks for `needed`; the dataset is
+        built in whole passes over its split, so it holds at least that many."""
+        ds = self.train.dataset
+        n = len(ds)
+        try:  # a single GPTDataset: one pass = the split's tokens / seq_len
+            per_pass = int(ds.dataset.sequence_lengths[ds.indices].sum()) // ds.config.sequence_length
+        except AttributeError:  # a blend: its parts are built to their weights' shares
+            return f"{n:,} train samples of {tokens} tokens (train.steps x global batch needs {needed:,})"
+        passes = -(-needed // per_pass) if per_pass else 0
+        return (f"{n:,} train samples of {tokens} tokens (train.steps x global batch needs {needed:,}: {passes} "
+                f"pass(es) over the split's {per_pass:,})")
+
 
 def build_training_data(cfg: Config, dp_rank: int, dp_size: int, tp: int, pin_memory: bool = False) -> TrainingData:
     d, t = cfg.data, cfg.train
@@ -117,7 +135,7 @@ def build_training_data(cfg: Config, dp_rank: int, dp_size: int, tp: int, pin_me
                               cfg.model.vocab_size, "train", pin_memory=pin_memory)
     valid_loader = GlobalBatchLoader(sets["valid"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size,
                                      cfg.model.vocab_size, "valid", prefetch=0)
-    valid = [mb for k in range(t.eval_batches) for mb in valid_loader._load(k)] if t.eval_interval else []
+    valid = [mb for k in range(t.eval_batches) for mb in valid_loader.load(k)] if t.eval_interval else []
     valid_loader.close()
     blend = parse_blend(path)
     unigram = unigram_loss(blend[0][1], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1 else float("nan")

@@ -192,7 +192,8 @@ class GlobalBatchLoader:
         first = step * self.G + self.dp_rank * self.per_rank
         return range(first, first + self.per_rank)
 
-    def _load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Global batch `step`'s microbatches for this rank, read now (no read-ahead)."""
         idx = self.sample_indices(step)
         rows = [self.dataset[i] for i in idx]
         x = torch.stack([r["tokens"] for r in rows])
@@ -212,12 +213,12 @@ class GlobalBatchLoader:
             raise DataError(f"{self.name} data has {len(self.dataset)} samples, {self.n_steps} global batches; "
                             f"step {step} is past its end")
         future = self._pending.pop(step, None)
-        batch = future.result() if future is not None else self._load(step)
+        batch = future.result() if future is not None else self.load(step)
         for s in [s for s in self._pending if s < step]:
             self._pending.pop(s).cancel()
         for s in range(step + 1, min(step + 1 + self.prefetch, self.n_steps)):
             if s not in self._pending:
-                self._pending[s] = self._pool.submit(self._load, s)
+                self._pending[s] = self._pool.submit(self.load, s)
         return batch
 
     def close(self) -> None:

@@ -186,7 +186,9 @@ def preprocess(docs: Iterator[str], tokenizer_spec: str, output_prefix: str | Pa
         now = time.perf_counter()
         if progress and now - last_print > 1.0:
             last_print, summary.seconds = now, now - start
-            print(f"\r{summary.line()}", end="", file=sys.stderr, flush=True)
+            # In place on a terminal; one line each in a log file, where \r would run the lines together.
+            tty = sys.stderr.isatty()
+            print(("\r" if tty else "") + summary.line(), end="" if tty else "\n", file=sys.stderr, flush=True)
 
     with IndexedWriter(output_prefix, token_dtype(tok.vocab_size)) as writer:
         if workers <= 1:
@@ -204,5 +206,5 @@ def preprocess(docs: Iterator[str], tokenizer_spec: str, output_prefix: str | Pa
                     write(writer, *in_flight.popleft().get())
     summary.seconds = time.perf_counter() - start
     if progress:
-        print(f"\r{summary.line()}", file=sys.stderr)
+        print(("\r" if sys.stderr.isatty() else "") + summary.line(), file=sys.stderr)
     return summary

@@ -4,8 +4,10 @@ The order is fixed: tensor/sequence parallelism -> activation checkpointing -> t
 - TP first: it swaps parameters for DTensors sharded on the tp axis and installs the collectives; everything after
   it must see the final (local) shapes.
 - Activation checkpointing wraps the TP-ed block, so recomputation replays the TP collectives too.
-- compile after AC, per block: each block compiles once and is reused by every layer of the same shape, and the
-  checkpoint boundary stays outside the compiled region.
+- compile after AC, per block: each block compiles once and is reused by every layer of the same shape. A block
+  under full AC is its checkpoint wrapper, so the wrapper is what compiles: torch.compile traces the checkpoint as
+  its own higher-order op (the region still recomputes in backward); under selective AC the wrapped attention core
+  compiles inside its block the same way.
 - FSDP last: fully_shard must wrap the final modules, compiled or not, to place its all-gather/reduce-scatter hooks
   around them.
 """

@@ -1,10 +1,10 @@
 """FSDP2 (`fully_shard`) over the data-parallel axes: per transformer block, then the root.
 
 The data-parallel mesh is (dp_replicate, dp_shard): with dp_replicate > 1 that is HSDP (parameters sharded within a
-dp_shard group, replicated across groups; gradients reduce-scattered within, all-reduced across). Strategies:
-full_shard reshards parameters after forward (all-gathers them again for backward), shard_grad_op keeps them
-gathered from forward to backward (more memory, one all-gather less), hybrid_shard is full_shard on a mesh with
-dp_replicate > 1, no_shard is plain data parallelism (dp_shard = 1: nothing sharded, gradients all-reduced).
+dp_shard group, replicated across groups; gradients reduce-scattered within, all-reduced across); with dp_shard = 1
+it is plain data parallelism (nothing sharded, gradients all-reduced). The strategy says only when parameters are
+resharded: full_shard after each block's forward (all-gathered again for backward), shard_grad_op not until backward
+(more memory, one all-gather less).
 """
 
 from __future__ import annotations
@@ -25,12 +25,9 @@ def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def check_strategy(cfg: ParallelConfig, dp_replicate: int, dp_shard: int) -> None:
-    if cfg.fsdp_strategy == "hybrid_shard" and dp_replicate == 1:
-        raise ConfigError("parallel.fsdp_strategy=hybrid_shard needs parallel.dp_replicate > 1 "
-                         "(replicas of dp_shard groups); use full_shard or set dp_replicate")
-    if cfg.fsdp_strategy == "no_shard" and dp_shard != 1:
-        raise ConfigError(f"parallel.fsdp_strategy=no_shard replicates parameters, so it needs parallel.dp_shard=1 "
-                         f"(got {dp_shard}); put the data-parallel degree in parallel.dp_replicate")
+    if cfg.fsdp_strategy not in ("full_shard", "shard_grad_op"):
+        raise ConfigError(f"parallel.fsdp_strategy={cfg.fsdp_strategy!r}: use full_shard or shard_grad_op; HSDP is "
+                          f"parallel.dp_replicate > 1 and plain data parallelism parallel.dp_shard 1")
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool) -> nn.Module:

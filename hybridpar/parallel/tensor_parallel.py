@@ -25,10 +25,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
-# Names users know from Megatron, for the DTensor styles that implement them.
-ColumnParallelLinear = ColwiseParallel
-RowParallelLinear = RowwiseParallel
-VocabParallelEmbedding = RowwiseParallel
+# DTensor's styles for Megatron's layers: ColwiseParallel is what Megatron calls ColumnParallelLinear (output features
+# split), RowwiseParallel its RowParallelLinear (input features split) and, on an embedding, VocabParallelEmbedding.
 
 
 def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict, dict]:
@@ -37,9 +35,9 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict, dict]:
     seq = Shard(1) if sequence_parallel else Replicate()
     norm = SequenceParallel() if sequence_parallel else None
     top = {
-        "tok_embeddings": VocabParallelEmbedding(input_layouts=Replicate(), output_layouts=seq),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "norm": norm,
-        "lm_head": ColumnParallelLinear(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     if model.pos_embeddings is not None and sequence_parallel:
         # Learned positions: every rank holds the whole (small) table and keeps the rows of its sequence shard.
@@ -47,17 +45,17 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict, dict]:
     block = {
         "attn_norm": norm,
         "attn": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),
-        "attn.wq": ColumnParallelLinear(),
-        "attn.wk": ColumnParallelLinear(),
-        "attn.wv": ColumnParallelLinear(),
-        "attn.wo": RowParallelLinear(output_layouts=seq),
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=seq),
         "mlp_norm": norm,
         "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-        "mlp.up": ColumnParallelLinear(),
-        "mlp.down": RowParallelLinear(output_layouts=seq),
+        "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=seq),
     }
     if model.cfg.mlp == "swiglu":
-        block["mlp.gate"] = ColumnParallelLinear()
+        block["mlp.gate"] = ColwiseParallel()
     return ({k: v for k, v in top.items() if v is not None}, {k: v for k, v in block.items() if v is not None})
 
 
