@@ -52,6 +52,13 @@ GPUS: dict[str, GPU] = {
 # Efficiency assumptions of the step-time estimate.
 MATMUL_EFFICIENCY = 0.52  # model FLOPs / peak of a tuned dense GPT step: the plain 1.3B reference on an H200 ran
 #                           60.9k tokens/s x 8.5 GFLOP/token = 518 TFLOP/s = 52% of 989 (issue 8's measurement)
+MATMUL_EFFICIENCY_TOKENS = 16384  # rows per GEMM in that reference (micro-batch 8 x 2048 tokens)
+# Per-microbatch costs, which make many small microbatches slower than few large ones (docs/planning.md says how
+# these were chosen; none is measured on a GPU yet):
+GEMM_HALF_TOKENS = 512    # a GEMM with this many rows (tokens) runs at half its large-matrix rate
+KERNELS_PER_BLOCK = {"gpt2": 50, "modern": 111}  # forward + backward ops of one block (benchmarks/kernels_per_block.py)
+LAUNCH_S = 5e-6           # host time per kernel launch, exposed when kernels are short (CUDA launch latency, ~5 us)
+FSDP_HOOKS_S = 100e-6     # FSDP2's pre/post forward and backward hooks of one block, per microbatch (host time)
 LINK_EFFICIENCY = 0.80    # achieved bus bandwidth / link bandwidth of NCCL ring collectives at large message sizes
 RESERVED_GIB = 3.0        # CUDA context, NCCL buffers and allocator fragmentation kept out of the usable memory
 
@@ -188,11 +195,20 @@ def _ring(bytes_: float, n: int, gbps: float, all_reduce: bool = False) -> float
     return (2 if all_reduce else 1) * (n - 1) / n * bytes_ / (gbps * 1e9 * LINK_EFFICIENCY)
 
 
+def gemm_efficiency(tokens: int) -> float:
+    """Model FLOPs / peak for GEMMs of `tokens` rows: MATMUL_EFFICIENCY at the reference's size, less for fewer
+    rows (a saturating M / (M + GEMM_HALF_TOKENS) curve, so 2048-token microbatches run at 83% of the reference's
+    rate and 16k-token ones at 100%)."""
+    def curve(m):
+        return m / (m + GEMM_HALF_TOKENS)
+    return MATMUL_EFFICIENCY * curve(tokens) / curve(MATMUL_EFFICIENCY_TOKENS)
+
+
 def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict:
     """Estimated seconds of one optimizer step, by part.
 
     compute: model FLOPs, plus the recomputed forward (a third of a fully checkpointed block's FLOPs, or of the
-      attention core's under selective checkpointing), at MATMUL_EFFICIENCY of the peak.
+      attention core's under selective checkpointing), at gemm_efficiency(micro-batch tokens) of the peak.
     tp: per layer and microbatch, 2 all-reduces forward and 2 backward of the (tokens, H) activations (reduce-
       scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2; over NVLink; not overlapped.
     fsdp: all-gathers of the bf16 parameters (forward once, backward once per microbatch with full_shard), one
@@ -200,6 +216,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
       replicas; over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with
       compute except the first block's all-gather and the last one's reduce-scatter.
     optimizer: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM.
+    per-microbatch overhead: kernel launches and FSDP hooks, per block and microbatch.
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
@@ -212,7 +229,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     recompute = 1 + layer_share * ckpt / m.n_layers / 3
     if t.activation_checkpointing == "selective":  # the attention core's forward again: a third of its FLOPs
         recompute += parts["attention"] / 3 / fpt
-    compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+    compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * gemm_efficiency(micro * t.seq_len))
     a = _compute_bytes(t.precision)
     act = micro * t.seq_len * m.d_model * a
     per_micro = (4 * m.n_layers + 2 * ckpt + 2) * _ring(act, layout.tp, gpu.nvlink_gbps, all_reduce=True)
@@ -229,9 +246,11 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
         exposed = max(0.0, fsdp + hsdp - compute) + 2 * fsdp / (gathers + 1) / m.n_layers
     params_local = local_param_count(m, layout)[0]
     optimizer = 28 * params_local / (gpu.hbm_gbps * 1e9)
-    total = compute + tp_comm + exposed + optimizer
+    kernels = KERNELS_PER_BLOCK["modern" if m.position == "rope" or m.mlp == "swiglu" else "gpt2"]
+    overhead = n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if uses_fsdp(cfg, layout.dp) else 0.0))
+    total = compute + tp_comm + exposed + optimizer + overhead
     return {"step_time_s": total, "compute_s": compute, "tp_comm_s": tp_comm, "fsdp_comm_s": fsdp + hsdp,
-            "fsdp_exposed_s": exposed, "optimizer_s": optimizer,
+            "fsdp_exposed_s": exposed, "optimizer_s": optimizer, "per_microbatch_overhead_s": overhead,
             "tokens_per_sec": t.global_batch_size * t.seq_len / total,
             "mfu": fpt * t.global_batch_size * t.seq_len / total / layout.world / (gpu.peak_tflops * 1e12)}
 
@@ -285,8 +304,7 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
                      "fsdp_strategy": c.parallel.fsdp_strategy if uses_fsdp(c, layout.dp) else "-",
                      "activation_checkpointing": c.train.activation_checkpointing,
                      "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
-    # Equal estimates (the model has no per-microbatch overhead): the larger micro-batch first, since real
-    # kernels run closer to peak on bigger matrices, then the smaller memory.
+    # Equal estimates: the larger micro-batch first, then the smaller memory.
     rows.sort(key=lambda r: (-round(r["tokens_per_sec"], 6), -r["micro_batch_size"], r["total_gib"]))
     return rows[:top]
 

@@ -78,7 +78,8 @@ def print_report(out: dict) -> None:
     print(f"  usable       {g(out['usable_bytes_per_gpu'])}  -> {'fits' if out['fits'] else 'DOES NOT FIT'}")
     print(f"step time (estimate) {out['step_time_s']:.3f} s = compute {out['compute_s']:.3f} + TP "
           f"{out['tp_comm_s']:.3f} + exposed FSDP {out['fsdp_exposed_s']:.3f} (of {out['fsdp_comm_s']:.3f}) + "
-          f"optimizer {out['optimizer_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}")
+          f"optimizer {out['optimizer_s']:.3f} + per-microbatch overhead {out['per_microbatch_overhead_s']:.3f} | "
+          f"{out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}")
     if "dry_run_params_bytes" in out:
         print(f"dry run (rank {out['rank']}, coords {out['dry_run_coords']}, {out['dry_run_seconds']:.1f} s): "
               f"params {g(out['dry_run_params_bytes'])} (materialised and initialised in "

@@ -125,6 +125,25 @@ def test_plan_json_and_ranked_layouts():
     assert all(x["dp_replicate"] * x["dp_shard"] * x["tp"] == 16 and x["tp"] <= 8 for x in ranked)
 
 
+def test_larger_microbatches_win_when_they_fit():
+    from hybridpar.plan import GPUS, rank_layouts, step_time
+
+    cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
+                       "--train.precision", "bf16"])
+    ranked = rank_layouts(cfg, 8, 8, GPUS["h100"], top=40)
+    assert ranked[0]["micro_batch_size"] == 8  # the largest that divides 64 / 8 ranks
+    est = {}
+    for micro in (1, 8):
+        cfg.train.micro_batch_size = micro
+        est[micro] = step_time(cfg, Layout(1, 8, 1), GPUS["h100"], 8)
+    # Hand count: 8 vs 1 microbatches, 24 blocks, 50 kernels x 5 us + 100 us of FSDP hooks per block and microbatch.
+    assert est[1]["per_microbatch_overhead_s"] - est[8]["per_microbatch_overhead_s"] == pytest.approx(
+        7 * 24 * (50 * 5e-6 + 100e-6))
+    # 2048-token GEMMs at (2048 / 2560) / (16384 / 16896) of the 16k-token rate: compute time in that ratio.
+    assert est[8]["compute_s"] / est[1]["compute_s"] == pytest.approx((2048 / 2560) / (16384 / 16896))
+    assert est[8]["tokens_per_sec"] > est[1]["tokens_per_sec"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--parallel.tp", "3"], "world size 16 is not divisible by the fixed degrees"),
     (["--parallel.tp", "16"], "parallel.tp=16 exceeds the 8 GPUs of a node"),
