@@ -69,7 +69,8 @@ def check_model_config(path: Path, cfg) -> None:
     from hybridpar.config_cli import to_dict
 
     now = to_dict(cfg)["model"]
-    shape_fields = [k for k in now if k not in ("dropout", "init_std", "name", "vocab_from_tokenizer", "vocab_multiple")]
+    not_shape = ("dropout", "init_std", "name", "vocab_from_tokenizer", "vocab_multiple")
+    shape_fields = [k for k in now if k not in not_shape]
     diff = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in shape_fields
             if k in saved and saved[k] != now[k]]
     if diff:

@@ -102,7 +102,7 @@ def test_vocab_padding_rule():
     assert cfg.model.vocab_size == 5000
     with pytest.raises(ValueError, match="has 5000 tokens but model.vocab_size=4096; set --model.vocab_size 5120"):
         check_vocab(load_config(["--model.vocab_size", "4096"]), tok(5000), tp=1)
-    with pytest.raises(ValueError, match=r"model.vocab_size=4161 does not divide by parallel.tp=2; set --model.vocab_size 4162"):
+    with pytest.raises(ValueError, match=r"vocab_size=4161 does not divide by parallel.tp=2; set --model.vocab_size 4162"):
         check_vocab(load_config(["--model.vocab_size", "4161"]), tok(4096), tp=2)
 
 

@@ -95,3 +95,18 @@ def test_huge_finite_gradient_is_clipped_and_applied(cache_dir):
     assert r["skipped"] == 0  # and the step is not skipped:
     # clipped to norm 1, then Adam's first step moves each weight by about lr (3e-3; sign(g) * lr for a fresh state)
     assert 1e-3 < r["change"] < 1e-2
+
+
+def test_non_finite_step_before_fit_warns_without_a_logger(cache_dir):
+    """Trainer.train_step called directly (no fit(), so no metrics logger yet) with a NaN gradient: the step is
+    skipped and the warning reaches the console instead of crashing on a missing logger."""
+    assert "trainer.log = MetricsLogger(cfg, None, enabled=False)\n" in HUGE_STEP
+    script = (HUGE_STEP.replace("trainer.log = MetricsLogger(cfg, None, enabled=False)\n", "")
+              .replace("g * 1e12", "g * float('nan')"))
+    out = run_cli(["-c", script, "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
+                   "--train.seq_len", "64", "--train.precision", "fp32", "--data.cache_dir", str(cache_dir),
+                   "--logging.wandb.mode", "disabled"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "warning: step 1: gradient norm is nan; optimizer step skipped (1 in a row, 1 in total)" in out.stdout
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["skipped"] == 1 and r["change"] == 0.0
