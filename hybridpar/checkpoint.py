@@ -316,6 +316,7 @@ class CheckpointHook:
         self.last_saved = -1
 
     def _save(self, trainer, step: int) -> None:
+        trainer.settle()  # the skip counters and streak of every step so far, before deciding and saving
         if trainer.consecutive_skips:
             # Never save inside a non-finite streak: a resume would start from the diverging state with its streak
             # hidden. The latest complete checkpoint stays the one to resume from.

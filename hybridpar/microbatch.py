@@ -47,8 +47,9 @@ def chunked_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_token
     return model(x, targets=y, loss_chunk_tokens=chunk_tokens)
 
 
-def count_target_tokens(microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    return sum(int((y != IGNORE_INDEX).sum()) for _, y in microbatches)
+def count_target_tokens(microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Target tokens of these microbatches, as a tensor (no host read)."""
+    return sum((y != IGNORE_INDEX).sum() for _, y in microbatches)
 
 
 def forward_backward_no_pipelining(

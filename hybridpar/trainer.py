@@ -1,8 +1,11 @@
 """The trainer: one loop for every layout. It takes a device mesh and a parallelize function; the data loader
 takes the data-parallel rank and size; hooks receive the trainer after each step (checkpointing, extra logging).
 
-Host syncs: one small read per step (the gradient norm with the ranks' stop votes, which decide the non-finite skip
-and a signal stop); losses stay on the device until a log step.
+Host syncs: none inside a step with the fused AdamW (the default on GPUs): a non-finite gradient norm skips the
+update on the device (the optimizer's found_inf, as with a gradient scaler), and the norm with the ranks' stop votes
+is read one step late, while the next step runs (or at once before a log row or a checkpoint). The unfused optimizer
+(the default on CPU) reads them in the step, since it can only be skipped from the host. Losses stay on the device
+until a log step.
 """
 
 from __future__ import annotations
@@ -116,6 +119,9 @@ class Trainer:
         self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
         self.stop_requested = False  # set by a signal handler; acted on at the end of the step (after the current
         self.stop_signal = 0  # microbatch when no checkpoint would be saved: see _stop_mid_step)
+        self.stop_voted = False  # some rank asked to stop (settled from a step's status)
+        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, status) of steps not yet read on the host
+        self._device_skip = all(g.get("fused") for g in self.optimizer.param_groups)
         self.data_wait_seconds = 0.0  # time train steps waited on data since the last log row (read-ahead hides most)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -153,32 +159,52 @@ class Trainer:
         microbatches = self.data.train.microbatches(step)
         self.data_wait_seconds += time.perf_counter() - t0
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
-        n_tokens = self._dp_sum(torch.tensor(float(count_target_tokens(microbatches)), device=self.device))
+        n_tokens = self._dp_sum(count_target_tokens(microbatches).to(self.device, torch.float32))
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
                                               forward_loss=self.forward_loss, grad_scale=self.grad_scale,
                                               autocast=self.autocast, loss_context=self.loss_context,
                                               stop_now=self._stop_mid_step)
-        grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip)
-        # One small sync per step: the norm (already global) and the stop votes of all ranks, read together.
-        stop = torch.tensor([float(self.stop_requested)], device=self.device)
+        grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip).reshape(()).float().to(self.device)
+        stop = torch.tensor(float(self.stop_requested), device=self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        norm_value, stop_value = torch.cat([grad_norm.reshape(1).float().to(self.device), stop]).tolist()
-        if math.isfinite(norm_value):
+        status = torch.stack([grad_norm, stop])  # (norm, stop vote): settled by settle(), now or one step late
+        self._pending.append((step + 1, status))
+        if self._device_skip:  # the fused kernel skips the whole update when found_inf is nonzero: no host read
+            self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
             self.optimizer.step()
+        elif self.settle():  # the unfused optimizer can only be skipped from the host: read the status now
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.consumed_samples += self.cfg.train.global_batch_size
+        return loss, grad_norm, lr, status
+
+    def settle(self, keep_last: bool = False) -> bool:
+        """Read the pending steps' (gradient norm, stop vote), oldest first, and act on them: count a non-finite
+        step as skipped (its update was not applied) and warn, raise TrainingDiverged past
+        train.max_skipped_steps, note a stop vote in stop_voted. keep_last leaves the newest step pending (its
+        kernels may still run). Returns whether the last step read was finite (True when none was read)."""
+        finite = True
+        while len(self._pending) > (1 if keep_last else 0):
+            finite = self._settle_one(*self._pending.pop(0))
+        return finite
+
+    def _settle_one(self, step: int, status: torch.Tensor) -> bool:
+        norm_value, stop_value = status.tolist()
+        finite = math.isfinite(norm_value)
+        if finite:
             self.consecutive_skips = 0
         else:
             self.skipped_steps += 1
             self.consecutive_skips += 1
-            self.say(f"warning: step {step + 1}: gradient norm is {norm_value}; optimizer step skipped "
+            self.say(f"warning: step {step}: gradient norm is {norm_value}; optimizer step skipped "
                      f"({self.consecutive_skips} in a row, {self.skipped_steps} in total)")
             if self.consecutive_skips > self.cfg.train.max_skipped_steps:
                 raise TrainingDiverged(f"{self.consecutive_skips} non-finite steps in a row (more than "
                                        f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}); the last "
                                        f"complete checkpoint is intact: lower optim.lr or check the data, then resume")
-        self.optimizer.zero_grad(set_to_none=True)
-        self.consumed_samples += self.cfg.train.global_batch_size
-        return loss, grad_norm, lr, bool(stop_value)
+        self.stop_voted = self.stop_voted or bool(stop_value)
+        return finite
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -228,9 +254,13 @@ class Trainer:
         while self.step < t.steps:
             if profile_range and self.step + 1 == profile_range[0]:
                 profiler = self._start_profiler()
-            loss, grad_norm, lr, stop = self.train_step(self.step)
+            loss, grad_norm, lr, _ = self.train_step(self.step)
             self.step += 1
             done = self.step == t.steps
+            log_now = self.step % cfg.logging.interval == 0 or done
+            # The previous step's status is read while this one runs; all of it before a log row or at the end.
+            self.settle(keep_last=not log_now)
+            stop = self.stop_voted
             if self.step == first_step and self.step % cfg.logging.interval and not done:
                 # The first step of this start is slow (allocations, kernel selection, compile): say it ended.
                 self.say(f"step {self.step}: first step done in {time.perf_counter() - last_time:.1f}s (loss "
@@ -238,7 +268,7 @@ class Trainer:
             if profiler is not None and self.step == profile_range[1]:
                 self._stop_profiler(profiler, profile_range)
                 profiler = None
-            if self.step % cfg.logging.interval == 0 or done or stop:
+            if log_now or stop:
                 loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
                 now = time.perf_counter()
                 elapsed, steps = now - last_time, self.step - last_step
@@ -254,6 +284,7 @@ class Trainer:
                 result.preempted = True
                 self.log.print(f"stop requested: leaving after step {self.step}")
                 break
+        self.settle()
         result.wall_time = time.perf_counter() - start
         if t.sample_tokens and not result.preempted and self.step > 0:  # no sample of an untrained model
             result.sample = self.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)

@@ -110,3 +110,52 @@ def test_non_finite_step_before_fit_warns_without_a_logger(cache_dir):
     assert "warning: step 1: gradient norm is nan; optimizer step skipped (1 in a row, 1 in total)" in out.stdout
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["skipped"] == 1 and r["change"] == 0.0
+
+
+NO_SYNC = textwrap.dedent("""
+    import json, sys, threading
+    import torch
+    from hybridpar.config_cli import load_config
+    from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
+    from hybridpar.trainer import Trainer
+
+    cfg = load_config(sys.argv[1:])
+    device = pick_device("cpu", 0)
+    trainer = Trainer(cfg, init_mesh(cfg.parallel, device, world_from_env()), device, run_dir=None)
+    weight = trainer.model.layers[0].mlp.up.weight
+    poison = {"on": False}
+    weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
+    trainer.train_step(0)  # the first step reads its batch in this thread (later ones come from the read-ahead)
+    syncs = []
+    names = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+    originals = {n: getattr(torch.Tensor, n) for n in names}
+    for n in names:
+        # counted in this thread only: the read-ahead thread's checks of token ids touch host data, not the device
+        setattr(torch.Tensor, n, lambda self, *a, _n=n, **k: (
+            threading.current_thread() is threading.main_thread() and syncs.append(_n), originals[_n](self, *a, **k))[1])
+    before = []
+    for step in (1, 2, 3):
+        poison["on"] = step == 2
+        before.append(weight.detach().clone())
+        trainer.train_step(step)
+    after = weight.detach().clone()
+    for n in names:
+        setattr(torch.Tensor, n, originals[n])
+    trainer.settle()
+    print(json.dumps({"syncs": syncs, "skipped": trainer.skipped_steps,
+                      "moved": [bool((b != a).any()) for b, a in zip(before, before[1:] + [after])]}))
+    shutdown()
+""")
+
+
+def test_train_step_never_waits_on_the_device_with_the_fused_optimizer(cache_dir):
+    """No host read inside train_step (counted by wrapping every Tensor-to-Python conversion), yet a non-finite step
+    is still skipped (on the device: the fused AdamW's found_inf) and counted once its status is read."""
+    out = run_cli(["-c", NO_SYNC, "--optim.fused", "true", "--train.global_batch_size", "8", "--train.micro_batch_size",
+                   "4", "--train.seq_len", "64", "--train.precision", "fp32", "--data.cache_dir", str(cache_dir),
+                   "--logging.wandb.mode", "disabled"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["syncs"] == [], r["syncs"]
+    assert r["skipped"] == 1 and r["moved"] == [True, False, True]  # step 3 (index 1) was skipped, 2 and 4 applied
+    assert "warning: step 3: gradient norm is nan; optimizer step skipped (1 in a row, 1 in total)" in out.stdout
