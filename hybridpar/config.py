@@ -9,7 +9,7 @@ mesh is built, still before any model exists. Loading from YAML and the command 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from hybridpar.models.config import ModelConfig, doc
 
@@ -30,6 +30,10 @@ class ParallelConfig:
     fsdp_strategy: Literal["full_shard", "shard_grad_op"] = doc(
         "full_shard", "full_shard: each block's parameters resharded after its forward (gathered again for backward); "
         "shard_grad_op: kept gathered until backward. HSDP and plain DP come from the layout (dp_replicate, dp_shard)")
+    reshard_after_forward: Optional[Union[bool, int]] = doc(
+        None, "after a block's forward, FSDP keeps its parameters: true resharded over dp_shard, false gathered "
+        "until backward, N resharded over groups of N ranks (a divisor of dp_shard other than 1 and dp_shard, e.g. a "
+        "node's GPUs / tp) so backward's all-gather stays inside a group; None = as fsdp_strategy")
     fsdp_prefetch: int = doc(1, "blocks whose parameters are all-gathered ahead of use, in forward and in backward "
                                 "(1 = the next block, FSDP2's own default; 2+ overlaps more, holds more memory)")
     timeout_minutes: float = doc(10.0, "collective timeout: a rank that stops answering ends the job after this long")

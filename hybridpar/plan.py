@@ -12,6 +12,7 @@ Per-parameter local shapes (which rank holds which piece) live in hybridpar.shap
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
@@ -20,6 +21,7 @@ from hybridpar.errors import ConfigError
 from hybridpar.flops import flops_parts
 from hybridpar.models import ModelConfig
 from hybridpar.parallel import uses_fsdp
+from hybridpar.parallel.fsdp import reshard_after_forward
 from hybridpar.shapes import Layout, numel, chunk, local_param_count, param_specs
 
 GIB = 2 ** 30
@@ -166,10 +168,13 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
         pb = _compute_bytes(t.precision)
         tp_only = Layout(1, 1, layout.tp)
         block, root = local_param_count(m, tp_only, rank, "block")[0], local_param_count(m, tp_only, rank, "root")[0]
-        held = m.n_layers if p.fsdp_strategy == "shard_grad_op" else min(m.n_layers, 1 + p.fsdp_prefetch)
+        reshard = reshard_after_forward(p)
+        held = m.n_layers if reshard is False else min(m.n_layers, 1 + p.fsdp_prefetch)
         # unsharded parameters of the blocks in flight and of the root (kept from forward to backward), one
-        # block's unsharded gradient, and its fp32 reduce-scatter input when computing in bf16
-        buffers = pb * (held * block + root) + pb * block + (4 * block if bf16 else 0)
+        # block's unsharded gradient, and its fp32 reduce-scatter input when computing in bf16; resharding to N
+        # ranks keeps every block's 1/N piece from its forward to its backward
+        kept = 0 if isinstance(reshard, bool) else m.n_layers * math.ceil(block / reshard)
+        buffers = pb * (held * block + root + kept) + pb * block + (4 * block if bf16 else 0)
     out = {
         "params_bytes_per_gpu": params,
         "grads_bytes_per_gpu": params,
@@ -238,9 +243,14 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     if layout.dp > 1:
         params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
         shard_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
-        gathers = 1 + (n_micro if p.fsdp_strategy != "shard_grad_op" else 0)
+        reshard = reshard_after_forward(p)
+        gathers = 1 + (n_micro if reshard is True else 0)
         fsdp = (gathers * _ring(params_tp * a, layout.dp_shard, shard_bw)
                 + _ring(params_tp * 4, layout.dp_shard, shard_bw))
+        if not isinstance(reshard, bool):  # backward's all-gathers within groups of N ranks
+            group_bw = gpu.nvlink_gbps if reshard * layout.tp <= gpus_per_node else gpu.internode_gbps
+            fsdp += n_micro * _ring(params_tp * a, reshard, group_bw)
+            gathers += n_micro
         rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
         hsdp = _ring(params_tp * 4 / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
         exposed = max(0.0, fsdp + hsdp - compute) + 2 * fsdp / (gathers + 1) / m.n_layers
@@ -264,7 +274,7 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
     """Every layout of `world` GPUs the config's model and batch allow: tp within a node, dp_replicate across
     node groups (HSDP), each micro-batch size that divides the per-rank batch, each activation-checkpointing mode,
-    parameters resharded after forward or kept until backward (shard_grad_op)."""
+    parameters resharded after forward, kept until backward (shard_grad_op), or resharded to a node (FSDP2's int)."""
     import copy
 
     from hybridpar.parallel import check_layout
@@ -277,10 +287,13 @@ def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[C
         for rep in [r for r in _divisors(dp) if r <= nodes]:
             for micro in _divisors(cfg.train.global_batch_size // dp):
                 for ac in ("none", "selective", "full"):
-                    for keep in ((False, True) if dp // rep > 1 else (False,)):
+                    shard, node = dp // rep, gpus_per_node // tp
+                    options = [True, False] + ([node] if 1 < node < shard and shard % node == 0 else [])
+                    for reshard in (options if shard > 1 else [True]):
                         c = copy.deepcopy(cfg)
                         c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
-                        c.parallel.fsdp_strategy = "shard_grad_op" if keep else "full_shard"
+                        c.parallel.fsdp_strategy = "shard_grad_op" if reshard is False else "full_shard"
+                        c.parallel.reshard_after_forward = reshard
                         c.train.micro_batch_size, c.train.activation_checkpointing, c.train.ac_every = micro, ac, 1
                         try:
                             check_layout(c, (rep, dp // rep, tp), gpus_per_node)
@@ -301,7 +314,9 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
             continue
         est = step_time(c, layout, gpu, gpus_per_node)
         rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,
-                     "fsdp_strategy": c.parallel.fsdp_strategy if uses_fsdp(c, layout.dp) else "-",
+                     "fsdp_strategy": (("-" if not uses_fsdp(c, layout.dp) else c.parallel.fsdp_strategy
+                                        if isinstance(c.parallel.reshard_after_forward, bool)
+                                        else f"reshard {c.parallel.reshard_after_forward}")),
                      "activation_checkpointing": c.train.activation_checkpointing,
                      "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
     # Equal estimates: the larger micro-batch first, then the smaller memory.

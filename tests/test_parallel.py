@@ -78,6 +78,7 @@ LAYOUTS = [
     ((2, 2, 1), 4, ["--train.activation_checkpointing", "selective", "--parallel.fsdp_cpu_offload", "true",
                     "--parallel.fsdp_strategy", "shard_grad_op"]),
     ((1, 1, 2), 2, ["--parallel.sequence_parallel", "false"]),
+    ((1, 4, 1), 4, ["--parallel.reshard_after_forward", "2"]),  # FSDP2's int: backward gathers within pairs
 ]
 
 
@@ -114,6 +115,8 @@ def test_degrees_fill_and_mismatch():
     (["--model.vocab_size", "4098"], (1, 1, 4), None, "model.vocab_size=4098"),
     (["--train.seq_len", "66"], (1, 1, 4), None, "train.seq_len (sequence parallel)=66"),
     ([], (1, 1, 4), 2, "parallel.tp=4 exceeds the 2 GPUs of a node"),
+    (["--parallel.reshard_after_forward", "3"], (1, 4, 1), None, "reshard_after_forward=3 must divide"),
+    (["--parallel.reshard_after_forward", "4"], (1, 4, 1), None, "strictly between 1 and it"),
     (["--train.global_batch_size", "32", "--train.micro_batch_size", "16"], (1, 4, 1), None,
      "micro_batch_size=16 x data-parallel size 4"),
 ])

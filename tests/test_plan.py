@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -123,6 +124,25 @@ def test_plan_json_and_ranked_layouts():
     assert ranked and all(x["total_gib"] * GIB <= r["usable_bytes_per_gpu"] for x in ranked)
     assert all(a["tokens_per_sec"] >= b["tokens_per_sec"] - 1e-6 for a, b in zip(ranked, ranked[1:]))
     assert all(x["dp_replicate"] * x["dp_shard"] * x["tp"] == 16 and x["tp"] <= 8 for x in ranked)
+
+
+def test_reshard_to_a_node_sits_between_full_shard_and_keeping_parameters():
+    from hybridpar.plan import GPUS, step_time
+
+    argv = ["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
+            "--train.micro_batch_size", "1", "--train.precision", "bf16"]
+    layout, est, mem = Layout(1, 16, 1), {}, {}
+    for value in ("true", "false", "8"):
+        cfg = load_config([*argv, "--parallel.reshard_after_forward", value])
+        mem[value] = memory(cfg, layout)["fsdp_buffers_bytes_per_gpu"]
+        est[value] = step_time(cfg, layout, GPUS["h100"], 8)
+    # one block's parameters, counted on the plain model (not through the planner's shapes)
+    block_numel = sum(p.numel() for p in build_model(cfg.model, "meta", init=False).layers[0].parameters())
+    # resharded to 8: every block keeps 1/8 of its bf16 parameters from forward to backward
+    assert mem["8"] - mem["true"] == 2 * 24 * math.ceil(block_numel / 8)
+    assert mem["true"] < mem["8"] < mem["false"]
+    # 16 ranks on 2 nodes: full_shard's backward gathers cross nodes, resharding to a node's 8 keeps them on NVLink
+    assert est["false"]["fsdp_comm_s"] < est["8"]["fsdp_comm_s"] < est["true"]["fsdp_comm_s"]
 
 
 def test_larger_microbatches_win_when_they_fit():

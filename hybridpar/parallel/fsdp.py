@@ -25,9 +25,20 @@ def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def check_strategy(cfg: ParallelConfig, dp_replicate: int, dp_shard: int) -> None:
+    n = cfg.reshard_after_forward
+    if not isinstance(n, bool) and isinstance(n, int) and (n <= 1 or n >= dp_shard or dp_shard % n):
+        raise ConfigError(f"parallel.reshard_after_forward={n} must divide parallel.dp_shard={dp_shard} and lie "
+                          f"strictly between 1 and it (the GPUs of a node / tp, typically), or be true or false")
     if cfg.fsdp_strategy not in ("full_shard", "shard_grad_op"):
         raise ConfigError(f"parallel.fsdp_strategy={cfg.fsdp_strategy!r}: use full_shard or shard_grad_op; HSDP is "
                           f"parallel.dp_replicate > 1 and plain data parallelism parallel.dp_shard 1")
+
+
+def reshard_after_forward(cfg: ParallelConfig) -> bool | int:
+    """What each block keeps after its forward: True (resharded), False (gathered) or N (resharded over N ranks)."""
+    if cfg.reshard_after_forward is not None:
+        return cfg.reshard_after_forward
+    return cfg.fsdp_strategy != "shard_grad_op"
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool) -> nn.Module:
@@ -41,7 +52,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bo
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
                               reduce_dtype=torch.float32 if bf16 else None)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.fsdp_cpu_offload else OffloadPolicy()
-    reshard = cfg.fsdp_strategy != "shard_grad_op"
+    reshard = reshard_after_forward(cfg)
     blocks = list(model.layers)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
