@@ -208,10 +208,10 @@ def _from_hf(c: dict, hf: dict, hf_dir: Path) -> tuple[ModelConfig, dict[str, to
 
 
 def export_hf_tokenizer(ckpt: Path, out: Path, max_len: int) -> tuple[int | None, str]:
-    """Write the run's tokenizer as a transformers tokenizer (AutoTokenizer.from_pretrained(out) loads it), with its
-    end-of-document token as eos, bos and pad (hybridpar's tokenizers have no separate padding token). Returns
-    (end-of-document id, what was written); the id is None for the byte tokenizer, which transformers has no
-    class for."""
+    """Write the run's tokenizer for transformers: a tokenizer.json run's as a fast tokenizer that
+    AutoTokenizer.from_pretrained(out) loads, with its end-of-document token as eos, bos and pad (hybridpar's
+    tokenizers have no separate padding token); a SentencePiece run's model file as is. Returns (end-of-document id,
+    what was written); the id is None for the byte tokenizer, which transformers has no class for."""
     from hybridpar.data.tokenizer import EOD_TOKEN
 
     if (ckpt / "tokenizer.json").is_file():  # train-bpe, bpe:PATH, gpt2:DIR
@@ -225,16 +225,17 @@ def export_hf_tokenizer(ckpt: Path, out: Path, max_len: int) -> tuple[int | None
         PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=text, bos_token=text, pad_token=text,
                                 model_max_length=max_len).save_pretrained(out)
         return eod, f"tokenizer (end of document {text!r} = id {eod})"
-    if (ckpt / "tokenizer.model").is_file():  # sentencepiece:MODEL
+    if (ckpt / "tokenizer.model").is_file():  # sentencepiece:MODEL: its ids are exported, the model file copied
+        import shutil
+
         import sentencepiece as spm
-        from transformers import LlamaTokenizer
 
         sp = spm.SentencePieceProcessor(model_file=str(ckpt / "tokenizer.model"))
-        eod = sp.eos_id() if sp.eos_id() >= 0 else sp.get_piece_size() - 1
-        text = sp.id_to_piece(eod)
-        LlamaTokenizer(vocab_file=str(ckpt / "tokenizer.model"), eos_token=text, pad_token=text,
-                       model_max_length=max_len, legacy=False).save_pretrained(out)
-        return eod, f"SentencePiece tokenizer (end of document {text!r} = id {eod})"
+        eod = sp.eos_id() if sp.eos_id() >= 0 else sp.get_piece_size() - 1  # hybridpar's rule
+        shutil.copy(ckpt / "tokenizer.model", out / "tokenizer.model")
+        # transformers 5 builds a tokenizer from a SentencePiece model only through protobuf-based conversion, which
+        # hybridpar does not depend on: the file is there for sentencepiece (or a converted tokenizer) to load.
+        return eod, f"SentencePiece model copied as tokenizer.model (end of document id {eod}); not an AutoTokenizer"
     return None, "no tokenizer (the byte tokenizer has no transformers class; ids are the UTF-8 bytes, eos 0)"
 
 
