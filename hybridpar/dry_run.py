@@ -82,8 +82,10 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
                            targets: torch.Tensor | None = None, loss: str = "fused") -> int:
     """Bytes autograd keeps for backward in one forward of a real (non-meta) model, each storage once, parameters
     excluded; with targets, through the loss: `fused` (the model's chunked LM head + loss) or `plain` (logits,
-    then hybridpar's token_loss_sum). A checkpointed block shows up as the input it keeps."""
+    then hybridpar's token_loss_sum). A checkpointed block shows up as the input it keeps, and a selectively
+    checkpointed one also as the op outputs its policy cached (read from torch.utils.checkpoint's cache)."""
     from hybridpar.microbatch import chunked_loss, logits_loss
+    from hybridpar.parallel import SELECTIVE_OBSERVERS
 
     params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -95,9 +97,29 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
         return t
 
     ctx = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast else nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
-        if targets is None:
-            model(input_ids)
-        else:
-            (chunked_loss if loss == "fused" else logits_loss)(model, input_ids, targets)
+    contexts: list = []
+    SELECTIVE_OBSERVERS.append(contexts)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+            if targets is None:
+                out = model(input_ids)
+            else:
+                out = (chunked_loss if loss == "fused" else logits_loss)(model, input_ids, targets)
+    finally:
+        SELECTIVE_OBSERVERS.remove(contexts)
+    for forward in contexts:  # torch's caching mode: {op key: {call index: _VersionWrapper(tensor) or a marker}}
+        for calls in forward.storage.values():
+            for entry in calls.values():
+                for t in _tensors(entry):
+                    pack(t)
+    del out
     return sum(seen.values())
+
+
+def _tensors(x):
+    x = getattr(x, "val", x)  # torch.utils.checkpoint's _VersionWrapper around each cached output
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)

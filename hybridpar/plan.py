@@ -114,15 +114,20 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
         kept_layers = (L - ckpt) * layer + ckpt * block_input
         recompute = layer  # backward re-runs one checkpointed block at a time
     elif ac == "selective":
-        kept_layers = L * (layer - 4 * nh * tokens)  # the core keeps its inputs; only the log-sum-exp goes
-        recompute = 4 * nh * tokens
+        # The block's input, and the outputs of its matmuls (q, k, v; wo and down as the local (tokens, H) partial
+        # sums, plus the reduce-scatter / all-reduce output that ends each TP region) and of fused attention.
+        ends_tp = (a * H / s) if tp > 1 else 0
+        kept = (r * H / s + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh + 2 * (a * H + ends_tp)
+                + a * (2 if m.mlp == "swiglu" else 1) * F / tp) * tokens
+        kept_layers = L * kept
+        recompute = max(0, layer - kept)  # what one block recomputes in backward: norms, RoPE, activation, ...
     else:
         kept_layers, recompute = L * layer, 0
     outside = 8 * tokens  # token ids
     if m.position == "learned":
         outside += 8 * seq_len  # position ids
-    elif not (ac == "full" and ac_every == 1):
-        outside += 2 * m.max_seq_len * hd // 2 * 4  # the cos/sin tables the RoPE multiplies save
+    elif ac == "none" or (ac == "full" and ac_every > 1):
+        outside += 2 * m.max_seq_len * hd // 2 * 4  # the cos/sin tables the RoPE multiplies save (not recomputed)
     outside += norm() * tokens  # final norm
     if not fused_loss:
         outside += a * H * tokens  # the LM head's input (the fused loss keeps gradients instead: logits_bytes)
@@ -212,8 +217,8 @@ def gemm_efficiency(tokens: int) -> float:
 def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict:
     """Estimated seconds of one optimizer step, by part.
 
-    compute: model FLOPs, plus the recomputed forward (a third of a fully checkpointed block's FLOPs, or of the
-      attention core's under selective checkpointing), at gemm_efficiency(micro-batch tokens) of the peak.
+    compute: model FLOPs, plus the recomputed forward (a third of a fully checkpointed block's FLOPs; selective
+      checkpointing recomputes no matmul), at gemm_efficiency(micro-batch tokens) of the peak.
     tp: per layer and microbatch, 2 all-reduces forward and 2 backward of the (tokens, H) activations (reduce-
       scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2; over NVLink; not overlapped.
     fsdp: all-gathers of the bf16 parameters (forward once, backward once per microbatch with full_shard), one
@@ -232,8 +237,6 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     ckpt = len(range(0, m.n_layers, t.ac_every)) if t.activation_checkpointing == "full" else 0
     layer_share = 1 - parts["head"] / fpt  # FLOPs in the blocks, not the LM head
     recompute = 1 + layer_share * ckpt / m.n_layers / 3
-    if t.activation_checkpointing == "selective":  # the attention core's forward again: a third of its FLOPs
-        recompute += parts["attention"] / 3 / fpt
     compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * gemm_efficiency(micro * t.seq_len))
     a = _compute_bytes(t.precision)
     act = micro * t.seq_len * m.d_model * a

@@ -71,10 +71,11 @@ MODERN_TINY = ["--model.norm", "rmsnorm", "--model.position", "rope", "--model.m
 
 @pytest.mark.parametrize("family", ["gpt", "modern"])
 @pytest.mark.parametrize("precision", ["fp32", "autocast", "bf16"])
-@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
 def test_activation_bytes_equal_what_autograd_saves(family, precision, ac):
     """bf16 here is FSDP's mixed precision: bf16 parameters, no autocast. Exact, except that the CPU's LayerNorm
-    keeps bf16 statistics where CUDA's (and the planner's) are fp32."""
+    keeps bf16 statistics where CUDA's (and the planner's) are fp32. Selective checkpointing under autocast (only a
+    custom parallelize function without FSDP runs autocast) is not modelled exactly: the planner overestimates it."""
     cfg = load_config(["--model.name", "tiny"] + (MODERN_TINY if family == "modern" else []))
     torch.manual_seed(0)
     model = build_model(cfg.model, device="cpu")
@@ -88,8 +89,11 @@ def test_activation_bytes_equal_what_autograd_saves(family, precision, ac):
                            else "bf16", fsdp=precision == "bf16", ac=ac)
     kept = est["layers"] + est["outside_layers"] + est.get("autocast_weight_copies", 0)
     if precision == "bf16" and family == "gpt":
-        norms = (cfg.model.n_layers * 2 if ac == "none" else 0) + 1  # full: only the final norm is outside
+        norms = (cfg.model.n_layers * 2 if ac == "none" else 0) + 1  # checkpointed: only the final norm's are kept
         kept -= norms * batch * seq * 4  # mean and rstd: 2 x 2 bytes on this CPU, 2 x 4 on CUDA
+    if ac == "selective" and precision == "autocast":
+        assert measured < kept < 1.5 * measured  # an overestimate, within half again
+        return
     assert kept == measured
 
 
@@ -218,12 +222,14 @@ def _tp_worker(rank: int, world: int, init_file: str, results) -> None:
         out = {}
         for family in ("gpt", "modern"):
             for sp in (True, False):
-                cfg = load_config(["--model.name", "tiny", "--train.precision", "fp32", "--parallel.sequence_parallel",
-                                   str(sp)] + (MODERN_TINY if family == "modern" else []))
-                torch.manual_seed(0)
-                model = parallelize_gpt(build_model(cfg.model, device="cpu"), mesh, cfg)
-                x = torch.randint(0, 4096, (2, 128))
-                out[family, sp] = saved_activation_bytes(model, x)
+                for ac in ("none", "selective"):
+                    cfg = load_config(["--model.name", "tiny", "--train.precision", "fp32",
+                                       "--parallel.sequence_parallel", str(sp), "--train.activation_checkpointing", ac]
+                                      + (MODERN_TINY if family == "modern" else []))
+                    torch.manual_seed(0)
+                    model = parallelize_gpt(build_model(cfg.model, device="cpu"), mesh, cfg)
+                    x = torch.randint(0, 4096, (2, 128))
+                    out[family, sp, ac] = saved_activation_bytes(model, x)
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -232,7 +238,8 @@ def _tp_worker(rank: int, world: int, init_file: str, results) -> None:
 def test_tp_activation_bytes_equal_what_each_rank_saves(tmp_path):
     """Under tensor (and sequence) parallelism on 2 real gloo ranks: each rank's saved bytes against the planner.
     The DTensor plan keeps the all-gathered input of each column-parallel projection (full sequence), the rest
-    is split by tp (heads, FFN width) or, with SP, by the sequence."""
+    is split by tp (heads, FFN width) or, with SP, by the sequence; selective checkpointing keeps the sequence shard
+    and re-gathers it in backward."""
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
@@ -240,6 +247,7 @@ def test_tp_activation_bytes_equal_what_each_rank_saves(tmp_path):
     for family in ("gpt", "modern"):
         cfg = load_config(["--model.name", "tiny"] + (MODERN_TINY if family == "modern" else []))
         for sp in (True, False):
-            est = activation_bytes(cfg.model, 2 * 128, 128, tp=2, sp=sp, precision="fp32", fsdp=False, ac="none")
-            want = est["layers"] + est["outside_layers"]
-            assert [results[r][family, sp] for r in range(2)] == [want, want], (family, sp, want)
+            for ac in ("none", "selective"):
+                est = activation_bytes(cfg.model, 2 * 128, 128, tp=2, sp=sp, precision="fp32", fsdp=False, ac=ac)
+                want = est["layers"] + est["outside_layers"]
+                assert [results[r][family, sp, ac] for r in range(2)] == [want, want], (family, sp, ac, want)

@@ -14,6 +14,7 @@ The order is fixed: tensor/sequence parallelism -> activation checkpointing -> t
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -50,11 +51,48 @@ def uses_fsdp(cfg: Config, dp: int) -> bool:
     return dp > 1 or cfg.train.precision == "bf16"
 
 
+def _saved_by_selective() -> frozenset:
+    """Ops whose outputs selective checkpointing keeps: the matmuls, fused attention (output and log-sum-exp) and
+    the reduce-scatter / all-reduce that end a TP region. Everything else in a block (norms, RoPE, the MLP's
+    activation, residual adds, dropout, the sequence-parallel all-gathers) is recomputed in backward."""
+    ops = []
+    for ns, name in [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"),
+                     ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+                     ("aten", "_scaled_dot_product_flash_attention"),
+                     ("aten", "_scaled_dot_product_efficient_attention"),
+                     ("aten", "_scaled_dot_product_cudnn_attention"), ("_c10d_functional", "reduce_scatter_tensor"),
+                     ("_c10d_functional", "all_reduce")]:
+        packet = getattr(getattr(torch.ops, ns), name, None)
+        if packet is not None:
+            ops.append(packet.default)
+    return frozenset(ops)
+
+
+SELECTIVE_OBSERVERS: list[list] = []  # measurement hooks (hybridpar.dry_run): each list collects forward contexts
+
+
+def selective_contexts():
+    """The context pair of one selectively checkpointed forward (torch.utils.checkpoint's op-level policy)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    save = _saved_by_selective()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    for seen in SELECTIVE_OBSERVERS:
+        seen.append(forward)
+    return forward, recompute
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, preserve_rng: bool = False) -> None:
     """none: keep every activation. full: recompute whole blocks 0, every, 2*every, ... in backward (a block keeps
-    only its input). selective: recompute only each block's attention core (RoPE + softmax attention), keeping the
-    projections' and MLP's activations. Wraps in place; parameter names are unchanged in checkpoints (DCP's
-    state-dict helpers strip the wrapper's prefix)."""
+    only its input). selective: every block keeps its input and the outputs of its matmuls and fused attention, and
+    recomputes the cheap rest in backward (norms, RoPE, the MLP's activation, residual adds; under sequence
+    parallelism also the all-gathers, so a block keeps the sequence shard as Megatron-LM does): no matmul FLOPs are
+    recomputed. Wraps in place; parameter names are unchanged in checkpoints (DCP's state-dict helpers strip the
+    wrapper's prefix)."""
     if mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -63,7 +101,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, 
         if mode == "full" and i % every == 0:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng)
         elif mode == "selective":
-            block.attn.core = checkpoint_wrapper(block.attn.core, preserve_rng_state=preserve_rng)
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng,
+                                                 context_fn=selective_contexts)
 
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
