@@ -86,6 +86,7 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
     checkpointed one also as the op outputs its policy cached (read from torch.utils.checkpoint's cache)."""
     from hybridpar.microbatch import chunked_loss, logits_loss
     from hybridpar.parallel import SELECTIVE_OBSERVERS
+    from hybridpar.parallel.sequence_shard import SAVED_OBSERVERS
 
     params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -99,6 +100,7 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
     ctx = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     contexts: list = []
     SELECTIVE_OBSERVERS.append(contexts)
+    SAVED_OBSERVERS.append(pack)  # tensors saved under the sequence-shard hooks, which hide them from these
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
             if targets is None:
@@ -107,6 +109,7 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
                 out = (chunked_loss if loss == "fused" else logits_loss)(model, input_ids, targets)
     finally:
         SELECTIVE_OBSERVERS.remove(contexts)
+        SAVED_OBSERVERS.remove(pack)
     for forward in contexts:  # torch's caching mode: {op key: {call index: _VersionWrapper(tensor) or a marker}}
         for calls in forward.storage.values():
             for entry in calls.values():

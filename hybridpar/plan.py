@@ -84,9 +84,10 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
 
     Per layer and token (t = tp, s = tp with sequence parallelism else 1; r, a = residual and matmul dtype bytes):
       LayerNorm: its input r*H/s and mean, rstd; RMSNorm (computed in fp32): x, x*rstd, rstd in fp32; twice;
-      attention input a*H (all-gathered under SP; under autocast one copy per projection: 3);
+      attention input a*H (under SP without checkpointing its sequence shard a*H/s, gathered again in backward;
+      under autocast one full copy per projection: 3);
       q, k, v after RoPE a*(nh + 2 nkv)*hd/t; attention output a*nh*hd/t (also the input of wo);
-      log-sum-exp 4*nh/t; MLP input a*H (autocast: 1 copy, or 2 for SwiGLU's gate and up);
+      log-sum-exp 4*nh/t; MLP input a*H, a*H/s as the attention's (autocast: 1 copy, or 2 for SwiGLU's gate and up);
       GELU: its input and output a*2F/t; SwiGLU: gate, up, silu(gate), product a*4F/t.
     Outside the layers: the token ids, the position ids (learned positions) or the RoPE tables, the final norm's
     input and statistics, the LM head's input (not with the fused loss, which keeps gradients instead).
@@ -103,8 +104,11 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
         return (8 * H + 4) / s  # RMSNorm (composite, computed in fp32) keeps fp32 x, x * rstd and rstd
 
     nh, nkv = m.n_heads / tp, m.kv_heads / tp
-    attn_in = a * H * (3 if autocast else 1)
-    mlp_in = a * H * (2 if (autocast and m.mlp == "swiglu") else 1)
+    # Under SP without checkpointing, attention and MLP keep their input's sequence shard and gather it again in
+    # backward (hybridpar/parallel/sequence_shard.py); so does the LM head whatever the checkpointing.
+    shard = s if (ac == "none" and not autocast) else 1
+    attn_in = a * H * (3 if autocast else 1) / shard
+    mlp_in = a * H * (2 if (autocast and m.mlp == "swiglu") else 1) / shard
     inner = a * (4 if m.mlp == "swiglu" else 2) * F / tp
     layer = (2 * norm() + attn_in + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh + mlp_in + inner) * tokens
     block_input = r * H / s * tokens
@@ -130,7 +134,8 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
         outside += 2 * m.max_seq_len * hd // 2 * 4  # the cos/sin tables the RoPE multiplies save (not recomputed)
     outside += norm() * tokens  # final norm
     if not fused_loss:
-        outside += a * H * tokens  # the LM head's input (the fused loss keeps gradients instead: logits_bytes)
+        outside += a * H * tokens / (1 if autocast else s)  # the LM head's input (its sequence shard under SP; the
+        #                                                     fused loss keeps gradients instead: logits_bytes)
     out = {"layers": int(kept_layers), "outside_layers": int(outside), "recompute_peak": int(recompute)}
     if autocast:  # bf16 copies of the matmul weights (local TP shards), kept from forward to backward except in
         # fully checkpointed blocks, which cast them again when they recompute
@@ -220,7 +225,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     compute: model FLOPs, plus the recomputed forward (a third of a fully checkpointed block's FLOPs; selective
       checkpointing recomputes no matmul), at gemm_efficiency(micro-batch tokens) of the peak.
     tp: per layer and microbatch, 2 all-reduces forward and 2 backward of the (tokens, H) activations (reduce-
-      scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2; over NVLink; not overlapped.
+      scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2, plus under SP the all-gathers
+      of inputs kept as sequence shards (2 per block, 1 for the LM head); over NVLink; not overlapped.
     fsdp: all-gathers of the bf16 parameters (forward once, backward once per microbatch with full_shard), one
       fp32 reduce-scatter of the gradients, and with HSDP an fp32 all-reduce of the gradient shards across
       replicas; over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with
@@ -240,7 +246,10 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * gemm_efficiency(micro * t.seq_len))
     a = _compute_bytes(t.precision)
     act = micro * t.seq_len * m.d_model * a
-    per_micro = (4 * m.n_layers + 2 * ckpt + 2) * _ring(act, layout.tp, gpu.nvlink_gbps, all_reduce=True)
+    # under SP, inputs kept as sequence shards are all-gathered again in backward (attention and MLP of blocks not
+    # fully checkpointed, and the LM head): half an all-reduce each
+    regather = (2 * (m.n_layers if t.activation_checkpointing != "full" else 0) + 1) * 0.5 if p.sequence_parallel else 0
+    per_micro = (4 * m.n_layers + 2 * ckpt + 2 + regather) * _ring(act, layout.tp, gpu.nvlink_gbps, all_reduce=True)
     tp_comm = n_micro * per_micro
     fsdp = hsdp = exposed = 0.0
     if layout.dp > 1:

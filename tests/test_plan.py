@@ -149,6 +149,15 @@ def test_reshard_to_a_node_sits_between_full_shard_and_keeping_parameters():
     assert est["false"]["fsdp_comm_s"] < est["8"]["fsdp_comm_s"] < est["true"]["fsdp_comm_s"]
 
 
+def test_sequence_parallel_keeps_a_quarter_at_tp4():
+    """gpt3-1.3b, micro-batch 1 x 2048, no checkpointing: with the inputs of the TP regions kept as sequence shards,
+    tp 4 keeps at most 0.27x (Megatron's ~1/tp) of tp 1's block activations. (The same formula equals the bytes
+    each of 2 gloo ranks really saves: test_tp_activation_bytes_equal_what_each_rank_saves.)"""
+    cfg = load_config(["--model.name", "gpt3-1.3b"])
+    one, four = (activation_bytes(cfg.model, 2048, 2048, tp, True, "bf16", True, "none")["layers"] for tp in (1, 4))
+    assert four <= 0.27 * one, four / one
+
+
 def test_larger_microbatches_win_when_they_fit():
     from hybridpar.plan import GPUS, rank_layouts, step_time
 

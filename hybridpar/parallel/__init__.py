@@ -110,7 +110,10 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
     materialises only its shards: hybridpar.startup)."""
     tp, dp = mesh["tp"].size(), mesh["dp_replicate"].size() * mesh["dp_shard"].size()
     if tp > 1:
-        apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel)
+        # Blocks keep sequence shards through saved-tensor hooks, which checkpointing (its own hooks) and compile
+        # would not see through: only without either.
+        plain = cfg.train.activation_checkpointing == "none" and not cfg.train.compile
+        apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, keep_shards_in_blocks=plain)
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.ac_every,
                                    preserve_rng=cfg.model.dropout > 0)
     if cfg.train.compile:

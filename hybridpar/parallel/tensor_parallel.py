@@ -25,6 +25,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
+from hybridpar.parallel.sequence_shard import keep_sequence_shard
+
 # DTensor's styles for Megatron's layers: ColwiseParallel is what Megatron calls ColumnParallelLinear (output features
 # split), RowwiseParallel its RowParallelLinear (input features split) and, on an embedding, VocabParallelEmbedding.
 
@@ -59,8 +61,11 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict, dict]:
     return ({k: v for k, v in top.items() if v is not None}, {k: v for k, v in block.items() if v is not None})
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard `model` (on the meta device, before its shards are materialised) over the tp mesh, in place."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
+             keep_shards_in_blocks: bool = False) -> None:
+    """Shard `model` (on the meta device, before its shards are materialised) over the tp mesh, in place. Under
+    sequence parallelism the LM head (and with keep_shards_in_blocks, each block's attention and MLP) keeps its
+    input's sequence shard for backward instead of the gathered input (hybridpar/parallel/sequence_shard.py)."""
     top, block = gpt_tp_plan(model, sequence_parallel)
     if model.cfg.tie_embeddings:  # give the LM head its own Parameter to shard; re-tied below
         model.lm_head.weight = nn.Parameter(model.tok_embeddings.weight.detach().clone())
@@ -68,3 +73,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, block)
     model.tie_weights()  # the embedding and the LM head are both Shard(0) over the vocab: one parameter again
+    if sequence_parallel:
+        keep_sequence_shard(model.lm_head)
+        if keep_shards_in_blocks:
+            for layer in model.layers:
+                keep_sequence_shard(layer.attn)
+                keep_sequence_shard(layer.mlp)
