@@ -59,17 +59,25 @@ def keep_sequence_shard(module: nn.Module) -> None:
         ptr, handle = _storage(gathered), _Regather(shard, gathered.placements)
 
         def pack(t):
-            if isinstance(t, DTensor) and _storage(t) == ptr:
+            # the gathered tensor itself or a contiguous reshape of it (a linear saves its input as a (tokens, H)
+            # view); anything else sharing its storage is saved as is
+            if (isinstance(t, DTensor) and _storage(t) == ptr and t.numel() == gathered.numel()
+                    and t._local_tensor.is_contiguous()):
                 if handle.uses == 0:
                     for observe in SAVED_OBSERVERS:
                         observe(shard)
                 handle.uses += 1
-                return handle
+                return handle, t.shape
             for observe in SAVED_OBSERVERS:
                 observe(t)
             return t
 
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x.get() if isinstance(x, _Regather) else x)
+        def unpack(x):
+            if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], _Regather):
+                return x[0].get().view(x[1])
+            return x
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         hooks.__enter__()
         state["hooks"] = hooks
 
