@@ -212,26 +212,20 @@ def export_hf_tokenizer(ckpt: Path, out: Path, max_len: int) -> tuple[int | None
     AutoTokenizer.from_pretrained(out) loads, with its end-of-document token as eos, bos and pad (hybridpar's
     tokenizers have no separate padding token); a SentencePiece run's model file as is. Returns (end-of-document id,
     what was written); the id is None for the byte tokenizer, which transformers has no class for."""
-    from hybridpar.data.tokenizer import EOD_TOKEN
+    from hybridpar.data.tokenizer import load_tokenizer
 
     if (ckpt / "tokenizer.json").is_file():  # train-bpe, bpe:PATH, gpt2:DIR
-        from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
 
-        tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-        eod = tok.token_to_id(EOD_TOKEN)
-        eod = eod if eod is not None else tok.get_vocab_size() - 1  # hybridpar's rule (hybridpar.data.tokenizer)
-        text = tok.id_to_token(eod)
-        PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=text, bos_token=text, pad_token=text,
+        run_tok = load_tokenizer(f"bpe:{ckpt / 'tokenizer.json'}")  # the run's end-of-document rule, as in training
+        eod, text = run_tok.eod_id, run_tok.tok.id_to_token(run_tok.eod_id)
+        PreTrainedTokenizerFast(tokenizer_object=run_tok.tok, eos_token=text, bos_token=text, pad_token=text,
                                 model_max_length=max_len).save_pretrained(out)
         return eod, f"tokenizer (end of document {text!r} = id {eod})"
     if (ckpt / "tokenizer.model").is_file():  # sentencepiece:MODEL: its ids are exported, the model file copied
         import shutil
 
-        import sentencepiece as spm
-
-        sp = spm.SentencePieceProcessor(model_file=str(ckpt / "tokenizer.model"))
-        eod = sp.eos_id() if sp.eos_id() >= 0 else sp.get_piece_size() - 1  # hybridpar's rule
+        eod = load_tokenizer(f"sentencepiece:{ckpt / 'tokenizer.model'}").eod_id
         shutil.copy(ckpt / "tokenizer.model", out / "tokenizer.model")
         # transformers 5 builds a tokenizer from a SentencePiece model only through protobuf-based conversion, which
         # hybridpar does not depend on: the file is there for sentencepiece (or a converted tokenizer) to load.

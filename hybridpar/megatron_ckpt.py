@@ -16,7 +16,7 @@ hybridpar rotates interleaved pairs, so Q and K rows are permuted between the co
 `apply_layernorm_1p` stores norm gains minus one.
 
 Nothing here runs code from the files: DCP metadata through hybridpar.safe_load's checked reader, `.pt` files through
-torch's weights-only unpickler with `argparse.Namespace` allowed and Megatron's own classes made inert.
+torch's weights-only unpickler with `argparse.Namespace` allowed and a named list of Megatron-LM classes made inert.
 """
 
 from __future__ import annotations
@@ -104,16 +104,14 @@ def _split_qkv(t: torch.Tensor, cfg: ModelConfig, interleaved: bool) -> list[tor
     q, k, v = g.split([per * cfg.head_dim, cfg.head_dim, cfg.head_dim], dim=1)
     q, k, v = (x.reshape(-1, *t.shape[1:]) for x in (q, k, v))
     if cfg.position == "rope" and not interleaved:  # Megatron rotates halves, hybridpar interleaved pairs
-        q = _halves_to_interleaved(q, cfg.n_heads).reshape(q.shape)
-        k = _halves_to_interleaved(k, cfg.kv_heads).reshape(k.shape)
+        q, k = _halves_to_interleaved(q, cfg.n_heads), _halves_to_interleaved(k, cfg.kv_heads)
     return [q, k, v]
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """hybridpar's Q, K, V -> Megatron's fused linear_qkv with half-split RoPE rows (its default)."""
     if cfg.position == "rope":
-        q = _interleaved_to_halves(q, cfg.n_heads).reshape(q.shape)
-        k = _interleaved_to_halves(k, cfg.kv_heads).reshape(k.shape)
+        q, k = _interleaved_to_halves(q, cfg.n_heads), _interleaved_to_halves(k, cfg.kv_heads)
     parts = [x.reshape(cfg.kv_heads, -1, *q.shape[1:]) for x in (q, k, v)]
     return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
 
@@ -377,9 +375,14 @@ def to_megatron_state(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict:
     out: dict[str, list] = {}
     full = ModelConfig(**{**vars(cfg), "norm_bias": cfg.norm == "layernorm",
                           "qkv_bias": cfg.bias or cfg.attn_bias})  # the tensors Megatron's args will imply
+    def tensor(name):  # ours, or a zero bias with one entry per output row of its layer's weight
+        if name in sd:
+            return sd[name]
+        weight = sd[name.replace(".bias", ".weight")]
+        return torch.zeros(weight.shape[0], dtype=weight.dtype)
+
     for ours, theirs, split in rules(full):
-        ts = [sd[o] if o in sd else torch.zeros_like(sd[o.replace(".bias", ".weight")][:, 0] if "attn.w" in o
-                                                     else sd[o.replace(".bias", ".weight")]) for o in ours]
+        ts = [tensor(o) for o in ours]
         t = _fuse_qkv(*ts, cfg) if split == "qkv" else torch.cat(ts) if split == "glu" else ts[0]
         key, i = stacked_name(theirs)
         if i is None:

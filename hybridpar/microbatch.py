@@ -93,7 +93,7 @@ def forward_backward_no_pipelining(
                 loss = forward_loss(model, x, y) / num_global_tokens
             (loss * grad_scale).backward()
         loss = loss.detach()
-        total += loss.to_local() if hasattr(loss, "to_local") else loss
+        total += loss.to_local() if hasattr(loss, "to_local") else loss  # a replicated DTensor under loss_parallel
         if not last and stop_now():
-            raise StopMidStep(i + 1, n)  # a replicated DTensor under loss_parallel
+            raise StopMidStep(i + 1, n)
     return total

@@ -153,13 +153,20 @@ class InertRecord:
         return f"InertRecord{self.args!r}"
 
 
-INERT_PREFIXES = ("megatron.", "transformer_engine.")  # classes that may stand inside Megatron-LM's args
+# The classes, by full name, that Megatron-LM's saved `args` (and Transformer Engine's extra state in legacy saves)
+# hold; each is read as an InertRecord. Nothing outside this list is accepted, whatever its module.
+INERT_CLASSES = frozenset({
+    "megatron.core.transformer.enums.AttnBackend", "megatron.core.transformer.enums.AttnMaskType",
+    "megatron.core.transformer.enums.CudaGraphModule", "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.transformer.enums.LayerType", "megatron.core.enums.ModelType",
+    "megatron.core.transformer.pipeline_parallel_layer_layout.PipelineParallelLayerLayout",
+    "_io.BytesIO", "io.BytesIO"})
 
 
 def load_plain_torch_file(path: Path):
     """A torch.save file (Megatron-LM's common.pt, model_optim_rng.pt) read with torch's weights-only unpickler: its
-    allow-list plus argparse.Namespace, with classes from Megatron-LM or Transformer Engine (and io.BytesIO) replaced
-    by InertRecord. Any other global is refused with one line; nothing named by the file is called."""
+    allow-list plus argparse.Namespace, with the classes named in INERT_CLASSES replaced by InertRecord. Any other
+    global is refused with one line; nothing named by the file is called."""
     import argparse
 
     try:
@@ -171,10 +178,11 @@ def load_plain_torch_file(path: Path):
     for name in names:
         if name == "argparse.Namespace":
             allowed.append(argparse.Namespace)
-        elif name.startswith(INERT_PREFIXES) or name in ("_io.BytesIO", "io.BytesIO"):
+        elif name in INERT_CLASSES:
             allowed.append((InertRecord, name))
         else:
-            raise CheckpointError(f"{path} refers to {name}, which is not plain data: refusing to load it")
+            raise CheckpointError(f"{path} refers to {name}, which is not plain data (nor one of the Megatron-LM "
+                                  f"classes hybridpar reads inertly): refusing to load it")
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -117,8 +117,9 @@ class Trainer:
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # the data position: samples of all ranks consumed so far
         self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
-        self.stop_requested = False  # set by a signal handler; acted on at the end of the step (after the current
-        self.stop_signal = 0  # microbatch when no checkpoint would be saved: see _stop_mid_step)
+        # Set by a signal handler; acted on at the end of the step (after the current microbatch when no checkpoint
+        # would be saved: _stop_mid_step).
+        self.stop_requested, self.stop_signal = False, 0
         self.stop_voted = False  # some rank asked to stop (settled from a step's status)
         self._pending: list[tuple[int, torch.Tensor]] = []  # (step, status) of steps not yet read on the host
         self._device_skip = all(g.get("fused") for g in self.optimizer.param_groups)
@@ -261,7 +262,7 @@ class Trainer:
             # The previous step's status is read while this one runs; all of it before a log row or at the end.
             self.settle(keep_last=not log_now)
             stop = self.stop_voted
-            if self.step == first_step and self.step % cfg.logging.interval and not done:
+            if self.step == first_step and not log_now:
                 # The first step of this start is slow (allocations, kernel selection, compile): say it ended.
                 self.say(f"step {self.step}: first step done in {time.perf_counter() - last_time:.1f}s (loss "
                          f"{float(self._dp_sum(loss.clone())):.4f}); next lines every {cfg.logging.interval} steps")

@@ -32,13 +32,25 @@ from hybridpar.resume_checks import read_checkpoint_config
 from hybridpar.safe_load import read_metadata
 
 
-def _model_config(ckpt: Path):
+def _config(ckpt: Path):
     from hybridpar.config_cli import config_from_dict
 
     saved = read_checkpoint_config(ckpt)
     if saved is None:
         raise CheckpointError(f"{ckpt} has no config.yaml; it was not written by hybridpar's trainer")
-    return config_from_dict(saved).model
+    return config_from_dict(saved)
+
+
+def _write_weights_checkpoint(out: Path, sd: dict, cfg, source: str) -> None:
+    """A weights checkpoint a run can start from (`--checkpoint.load OUT --checkpoint.load_weights_only true`):
+    the model's tensors as DCP, the config.yaml, and the COMPLETE marker last."""
+    import torch.distributed.checkpoint as dcp
+
+    from hybridpar.config_cli import dump_yaml
+
+    dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
+    (out / "config.yaml").write_text(dump_yaml(cfg))
+    (out / MARKER).write_text(f"{source}\n")
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -58,7 +70,7 @@ def to_hf_cmd(a) -> str:
     from hybridpar.convert import export_hf_tokenizer, family, hf_export_plan, write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
-    cfg = _model_config(ckpt)
+    cfg = _config(ckpt).model
     family(cfg)  # fails before any heavy work for an architecture HF has no class for
     _check_out(a.out, a.overwrite)
     hf_cfg, metas, sources = hf_export_plan(cfg, _our_metas(ckpt))
@@ -83,10 +95,7 @@ def to_hf_cmd(a) -> str:
 
 
 def from_hf_cmd(a) -> str:
-    import torch.distributed.checkpoint as dcp
-
     from hybridpar.config import Config, TrainConfig
-    from hybridpar.config_cli import dump_yaml
     from hybridpar.convert import from_hf
 
     if not (a.hf / "config.json").is_file():
@@ -94,18 +103,15 @@ def from_hf_cmd(a) -> str:
     _check_out(a.out, a.overwrite)
     model_cfg, sd = from_hf(a.hf)
     cfg = Config(model=model_cfg, train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)))
-    dcp.save({"model": sd}, checkpoint_id=str(a.out), no_dist=True)
-    (a.out / "config.yaml").write_text(dump_yaml(cfg))
     if (a.hf / "tokenizer.json").is_file():
+        a.out.mkdir(parents=True, exist_ok=True)
         shutil.copy(a.hf / "tokenizer.json", a.out / "tokenizer.json")
-    (a.out / MARKER).write_text("from-hf\n")
+    _write_weights_checkpoint(a.out, sd, cfg, "from-hf")
     return f"wrote {a.out} ({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size})"
 
 
 def from_megatron_cmd(a) -> str:
-    import torch.distributed.checkpoint as dcp
-
-    from hybridpar.config_cli import config_from_dict, dump_yaml
+    from hybridpar.config_cli import config_from_dict
     from hybridpar.megatron_ckpt import read_megatron, resolve_iteration_dir, run_settings
 
     iter_dir = resolve_iteration_dir(a.megatron, a.iteration)
@@ -115,9 +121,7 @@ def from_megatron_cmd(a) -> str:
     train = settings.setdefault("train", {})
     train["seq_len"] = min(train.get("seq_len", model_cfg.max_seq_len), model_cfg.max_seq_len)
     cfg = config_from_dict({**settings, "model": vars(model_cfg)})
-    dcp.save({"model": sd}, checkpoint_id=str(a.out), no_dist=True)
-    (a.out / "config.yaml").write_text(dump_yaml(cfg))
-    (a.out / MARKER).write_text("from-megatron\n")
+    _write_weights_checkpoint(a.out, sd, cfg, "from-megatron")
     return (f"wrote {a.out} ({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size}) "
             f"from {iter_dir} ({fmt})")
 
@@ -127,14 +131,10 @@ def to_megatron_cmd(a) -> str:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hybridpar.config_cli import config_from_dict
     from hybridpar.megatron_ckpt import megatron_args, to_megatron_state
 
     ckpt = resolve_load_path(a.checkpoint)
-    saved = read_checkpoint_config(ckpt)
-    if saved is None:
-        raise CheckpointError(f"{ckpt} has no config.yaml; it was not written by hybridpar's trainer")
-    cfg = config_from_dict(saved)
+    cfg = _config(ckpt)
     _check_out(a.out, a.overwrite)
     iteration = a.iteration if a.iteration is not None else _step_or_zero(ckpt)
     state = to_megatron_state(cfg.model, load_full_model_state(ckpt))
@@ -162,7 +162,7 @@ def to_torch_cmd(a) -> str:
     from hybridpar.convert import write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
-    cfg = _model_config(ckpt)
+    cfg = _config(ckpt).model
     _check_out(a.out, a.overwrite)
     metas = _our_metas(ckpt)
     if cfg.tie_embeddings:

@@ -6,13 +6,15 @@ The order is fixed: tensor/sequence parallelism -> activation checkpointing -> t
 - Activation checkpointing wraps the TP-ed block, so recomputation replays the TP collectives too.
 - compile after AC, per block: each block compiles once and is reused by every layer of the same shape. A block
   under full AC is its checkpoint wrapper, so the wrapper is what compiles: torch.compile traces the checkpoint as
-  its own higher-order op (the region still recomputes in backward); under selective AC the wrapped attention core
-  compiles inside its block the same way.
+  its own higher-order op (the region still recomputes in backward); selective AC wraps every block the same way,
+  with its op-level policy.
 - FSDP last: fully_shard must wrap the final modules, compiled or not, to place its all-gather/reduce-scatter hooks
   around them.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -51,6 +53,7 @@ def uses_fsdp(cfg: Config, dp: int) -> bool:
     return dp > 1 or cfg.train.precision == "bf16"
 
 
+@functools.cache
 def _saved_by_selective() -> frozenset:
     """Ops whose outputs selective checkpointing keeps: the matmuls, fused attention (output and log-sum-exp) and
     the reduce-scatter / all-reduce that end a TP region. Everything else in a block (norms, RoPE, the MLP's
