@@ -215,8 +215,12 @@ class Checkpointer:
         trainer.tokenizer.save(path)
         (path / "config.yaml").write_text(dump_yaml(trainer.cfg))
         wandb_id = trainer.log.wandb_id if trainer.log is not None else None
+        # cpu_threads: a CPU run's intra-op thread count, which sets the order of its parallel reductions (a
+        # resume with another count continues the curve to rounding, not bitwise; pretrain_gpt.py says so).
+        cpu_threads = torch.get_num_threads() if trainer.device.type == "cpu" else None
         (path / "run_state.json").write_text(json.dumps(
-            {"wandb_id": wandb_id, "tokenizer_fingerprint": trainer.tokenizer.fingerprint}) + "\n")
+            {"wandb_id": wandb_id, "tokenizer_fingerprint": trainer.tokenizer.fingerprint,
+             "cpu_threads": cpu_threads}) + "\n")
         tmp = path / f".{MARKER}.tmp"
         tmp.write_text(f"step {step_of(path)}\n")
         tmp.rename(path / MARKER)

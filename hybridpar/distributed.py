@@ -80,6 +80,11 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
             raise ConfigError("train.device=cuda but no CUDA device is visible; use --train.device cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
+    # CPU: set the intra-op thread count explicitly (the same number torch chose). Besides OpenMP this fixes MKL's
+    # count for every thread and turns MKL's dynamic thread adjustment off, the conditions under which MKL's GEMMs
+    # give the same bits run to run (Intel oneMKL developer guide, "Reproducibility Conditions"). A process that
+    # did not call this runs MKL with MKL_DYNAMIC on (MKL_VERBOSE shows "Dyn:1").
+    torch.set_num_threads(torch.get_num_threads())
     return torch.device("cpu")
 
 

@@ -40,6 +40,9 @@ def wandb_mode(configured: str | None) -> str:
         return "offline"
 
 
+RECORD_ONLY = ("batch_crc32",)  # metrics.jsonl only: an identifier, not a series to plot in W&B or TensorBoard
+
+
 class MetricsLogger:
     """Appends one JSON object per call to metrics.jsonl, prints a console line, forwards to W&B / TensorBoard."""
 
@@ -83,11 +86,12 @@ class MetricsLogger:
             return
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
+        series = {k: v for k, v in row.items() if k != "step" and k not in RECORD_ONLY}
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+            self.wandb_run.log(series, step=row["step"])
         if self.tensorboard is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
+            for k, v in series.items():
+                if isinstance(v, (int, float)):
                     self.tensorboard.add_scalar(k, v, row["step"])
         if "loss" in row:
             eta = row.get("step_time", float("nan")) * (self.total_steps - row["step"])

@@ -124,6 +124,7 @@ class Trainer:
         self._pending: list[tuple[int, torch.Tensor]] = []  # (step, status) of steps not yet read on the host
         self._device_skip = all(g.get("fused") for g in self.optimizer.param_groups)
         self.data_wait_seconds = 0.0  # time train steps waited on data since the last log row (read-ahead hides most)
+        self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
@@ -159,6 +160,7 @@ class Trainer:
         t0 = time.perf_counter()
         microbatches = self.data.train.microbatches(step)
         self.data_wait_seconds += time.perf_counter() - t0
+        self.batch_crc32 = self.data.train.crc32.pop(step, None)
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(count_target_tokens(microbatches).to(self.device, torch.float32))
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
@@ -235,13 +237,15 @@ class Trainer:
         tokens_per_step = t.global_batch_size * t.seq_len
         self.log.print(
             f"model {cfg.model.name}: {count_params(self.model) / 1e6:.2f}M parameters | device {self.device} "
-            f"({cfg.train.precision}) | mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}\n"
+            + (f"x {torch.get_num_threads()} thread(s) " if self.device.type == "cpu" else "")
+            + f"({cfg.train.precision}) | mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}\n"
             f"data {self.data.description}: {self.data.samples_line(t.steps * t.global_batch_size, t.seq_len + 1)}, "
             f"split {cfg.data.split}, tokenizer {cfg.data.tokenizer} "
             f"({self.tokenizer.vocab_size} tokens; model vocab {cfg.model.vocab_size})\n"
             f"batch {t.global_batch_size} x {t.seq_len} = {tokens_per_step:,} tokens/step, "
             f"{cfg.grad_accum_steps(self.dp_size)} microbatch(es) of {t.micro_batch_size} per rank"
-            + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss) else ""))
+            + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss)
+               else ""))
         hosts = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
         self.log.print(f"{len(hosts)} rank(s) on {len(set(hosts))} host(s): "
@@ -313,7 +317,7 @@ class Trainer:
                "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops, "step_time": step_time,
                "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
                "data_time": min(1.0, self.data_wait_seconds / elapsed), "consumed_tokens": self.step * tokens_per_step,
-               "skipped_steps": self.skipped_steps}
+               "skipped_steps": self.skipped_steps, "batch_crc32": self.batch_crc32}
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
         if self.device.type == "cuda":

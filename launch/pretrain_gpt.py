@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from hybridpar.checkpoint import CheckpointHook, Checkpointer, latest_checkpoint, resolve_load_path
@@ -158,6 +159,12 @@ def main(cfg: Config) -> TrainResult:
             if load_from is not None:
                 what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"
                 trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples)")
+                was = read_run_state(load_from).get("cpu_threads")
+                now = torch.get_num_threads()
+                if not cfg.checkpoint.load_weights_only and device.type == "cpu" and was and was != now:
+                    trainer.log.print(f"note: {load_from.name} was written by a CPU run with {was} intra-op threads "
+                                      f"and this one has {now}: the curve continues to rounding, not bitwise "
+                                      f"(OMP_NUM_THREADS={was} resumes it exactly)")
             if data_changes:
                 trainer.log.print("warning: data settings changed on resume (checkpoint.allow_data_change): "
                                   + "; ".join(data_changes))

@@ -49,9 +49,10 @@ def test_offline_wandb_history_equals_metrics_jsonl(offline_run):
     for row in history(files[0]):
         logged.setdefault(row["_step"], {}).update({k: v for k, v in row.items() if k != "_step"})
     expected = {}
-    for row in _rows(run_dir):
-        expected.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k != "step"})
+    for row in _rows(run_dir):  # all but the step and batch_crc32, an identifier kept out of W&B
+        expected.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k not in ("step", "batch_crc32")})
     assert sorted(logged) == sorted(expected) == [0, 2, 3, 4, 6]
+    assert not any("batch_crc32" in values for values in logged.values())
     for step, values in expected.items():
         for key, value in values.items():
             assert logged[step][key] == pytest.approx(value, rel=1e-12), (step, key)
@@ -63,11 +64,13 @@ def test_training_rows_carry_every_metric(offline_run):
     for r in train:
         assert {"loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
                 "step_time", "data_time", "consumed_tokens", "skipped_steps", "step_time_max",
-                "step_time_min"} <= set(r)
+                "step_time_min", "batch_crc32"} <= set(r)
+        assert 0 <= r["batch_crc32"] < 2 ** 32
         assert "mfu" not in r  # a CPU has no known peak: no MFU rather than a guessed one
         assert 0.0 <= r["data_time"] <= 1.0 and r["step_time_min"] <= r["step_time_max"]
         cfg = get_model_config("tiny")
         assert r["tflops_per_device"] == pytest.approx(flops_per_token(cfg, 64) * r["tokens_per_sec_per_device"] / 1e12)
+    assert len({r["batch_crc32"] for r in train}) == len(train)  # each step trains on other tokens
 
 
 def test_resume_continues_the_same_wandb_run(offline_run, tmp_path, cache_dir):
