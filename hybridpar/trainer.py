@@ -149,9 +149,9 @@ class Trainer:
         return t
 
     # -- one optimizer step -----------------------------------------------------------------------------------
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
-        """One optimizer step. Returns (loss share, grad norm, lr, stop): stop is True on every rank when any rank
-        was asked to stop (SIGTERM/SIGUSR1). A non-finite gradient norm skips the optimizer update."""
+    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step. Returns (loss share, grad norm, lr), the first two on the device. A non-finite
+        gradient norm skips the optimizer update; the norm and the ranks' stop votes are read by settle()."""
         # Random numbers (dropout) come from (seed, step): a resumed run draws exactly what the uninterrupted one did.
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
@@ -180,7 +180,7 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.consumed_samples += self.cfg.train.global_batch_size
-        return loss, grad_norm, lr, status
+        return loss, grad_norm, lr
 
     def settle(self, keep_last: bool = False) -> bool:
         """Read the pending steps' (gradient norm, stop vote), oldest first, and act on them: count a non-finite
@@ -259,7 +259,7 @@ class Trainer:
         while self.step < t.steps:
             if profile_range and self.step + 1 == profile_range[0]:
                 profiler = self._start_profiler()
-            loss, grad_norm, lr, _ = self.train_step(self.step)
+            loss, grad_norm, lr = self.train_step(self.step)
             self.step += 1
             done = self.step == t.steps
             log_now = self.step % cfg.logging.interval == 0 or done

@@ -133,11 +133,12 @@ def main(cfg: Config) -> TrainResult:
         # Weights about to be loaded are not initialised first: each rank reads its shards into the meta-built model.
         trainer = Trainer(cfg, mesh, device, run_dir, hooks=[CheckpointHook(checkpointer, cfg.checkpoint.interval)],
                           init_weights=load_from is None)
-        data_changes = []
+        data_changes, run_state = [], {}
         if load_from is not None:
             data_changes = checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)
+            run_state = read_run_state(load_from)
             if not cfg.checkpoint.load_weights_only and cfg.logging.wandb.id is None:
-                cfg.logging.wandb.id = read_run_state(load_from).get("wandb_id")
+                cfg.logging.wandb.id = run_state.get("wandb_id")
         resumed = trainer.step > 0
         if load_from is not None and not cfg.checkpoint.load_weights_only and trainer.step >= cfg.train.steps:
             if world.rank == 0:  # e.g. the run's own config.yaml passed back: nothing to do, and nothing is touched
@@ -159,8 +160,7 @@ def main(cfg: Config) -> TrainResult:
             if load_from is not None:
                 what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"
                 trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples)")
-                was = read_run_state(load_from).get("cpu_threads")
-                now = torch.get_num_threads()
+                was, now = run_state.get("cpu_threads"), torch.get_num_threads()
                 if not cfg.checkpoint.load_weights_only and device.type == "cpu" and was and was != now:
                     trainer.log.print(f"note: {load_from.name} was written by a CPU run with {was} intra-op threads "
                                       f"and this one has {now}: the curve continues to rounding, not bitwise "

@@ -77,7 +77,7 @@ HUGE_STEP = textwrap.dedent("""
     # One gradient made huge but finite: norm ~1e12 (torch's fp32 norm itself overflows past ~1e19).
     weight.register_hook(lambda g: g * 1e12)
     before = weight.detach().clone()
-    _, norm, _, _ = trainer.train_step(0)
+    _, norm, _ = trainer.train_step(0)
     print(json.dumps({"norm": float(norm), "skipped": trainer.skipped_steps,
                       "change": float((weight.detach() - before).abs().max())}))
     shutdown()
