@@ -5,6 +5,7 @@ GPTModel with the same logits. Hostile and unsupported inputs get one line and w
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import shutil
 import socket
@@ -19,6 +20,7 @@ from hybridpar.checkpoint import load_full_model_state
 from hybridpar.config_cli import config_from_dict
 from hybridpar.models import build_model
 from hybridpar.resume_checks import read_checkpoint_config
+from hybridpar.safe_load import INERT_CLASSES
 
 sys.path.insert(0, str(ROOT / "tests"))
 from megatron_harness import ITERATION, token_ids  # noqa: E402
@@ -84,7 +86,7 @@ def test_from_megatron_gives_megatron_logits(saves, tmp_path, spec, fmt):
     out = _convert("from-megatron", "--megatron", src, "--out", tmp_path / "ours")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"iter_{ITERATION:07d}" in out.stdout and ("legacy, 2 tensor-parallel" in out.stdout) == (fmt == "legacy")
-    reference = torch.load(src / "logits.pt")
+    reference = _load_tensor(src / "logits.pt")
     assert _rel(_our_logits(tmp_path / "ours"), reference) < 1e-4
     saved = read_checkpoint_config(tmp_path / "ours")  # Megatron-LM's training flags carried over
     train, optim = saved["train"], saved["optim"]
@@ -100,7 +102,25 @@ def test_to_megatron_loads_in_megatron_core(saves, tmp_path, spec):
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "back" / "latest_checkpointed_iteration.txt").read_text() == "42"
     _harness("load", str(tmp_path / "back" / "iter_0000042"))  # megatron-core builds from the args and loads
-    assert _rel(torch.load(tmp_path / "back" / "logits.pt"), torch.load(src / "logits.pt")) < 1e-4
+    assert _rel(_load_tensor(tmp_path / "back" / "logits.pt"), _load_tensor(src / "logits.pt")) < 1e-4
+
+
+def _load_tensor(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _load_legacy_part(path):
+    """A legacy model_optim_rng.pt the harness saved, read to be edited and saved again: weights-only, allowing
+    argparse.Namespace and the Megatron-LM classes hybridpar reads inertly (here the real classes, so that the
+    saved-again file holds what megatron-core wrote), each checked against that list first."""
+    allowed = [Namespace]
+    for name in torch.serialization.get_unsafe_globals_in_checkpoint(str(path)):
+        if name != "argparse.Namespace":
+            assert name in INERT_CLASSES, name
+            module, cls = name.rsplit(".", 1)
+            allowed.append(getattr(importlib.import_module(module), cls))
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def test_layernorm_1p_gains_are_restored(saves, tmp_path):
@@ -108,14 +128,13 @@ def test_layernorm_1p_gains_are_restored(saves, tmp_path):
     src = saves[("gpt", "legacy")]
     dst = tmp_path / "m1p" / f"iter_{ITERATION:07d}"
     for rank in (0, 1):
-        part = torch.load(src / f"iter_{ITERATION:07d}" / f"mp_rank_0{rank}" / "model_optim_rng.pt",
-                          weights_only=False)
+        part = _load_legacy_part(src / f"iter_{ITERATION:07d}" / f"mp_rank_0{rank}" / "model_optim_rng.pt")
         part["args"].apply_layernorm_1p = True
         part["model"] = {k: v - 1 if "layernorm.weight" in k else v for k, v in part["model"].items()}
         (dst / f"mp_rank_0{rank}").mkdir(parents=True)
         torch.save(part, dst / f"mp_rank_0{rank}" / "model_optim_rng.pt")
     assert _convert("from-megatron", "--megatron", dst, "--out", tmp_path / "ours").returncode == 0
-    assert _rel(_our_logits(tmp_path / "ours"), torch.load(src / "logits.pt")) < 1e-4
+    assert _rel(_our_logits(tmp_path / "ours"), _load_tensor(src / "logits.pt")) < 1e-4
 
 
 class _Payload:
@@ -127,7 +146,7 @@ def _copy_legacy(saves, tmp_path, edit_args=None, edit_part=None):
     src = saves[("gpt", "legacy")] / f"iter_{ITERATION:07d}"
     dst = tmp_path / "edited" / src.name
     for rank in (0, 1):
-        part = torch.load(src / f"mp_rank_0{rank}" / "model_optim_rng.pt", weights_only=False)
+        part = _load_legacy_part(src / f"mp_rank_0{rank}" / "model_optim_rng.pt")
         if edit_args:
             edit_args(part["args"])
         if edit_part:
