@@ -32,7 +32,8 @@ def slurm():
     info = subprocess.run(["sinfo", "-h", "-o", "%D %t"], capture_output=True, text=True, timeout=60)
     if info.returncode != 0 and os.environ.get("HYBRIDPAR_REQUIRE_SLURM") != "1":
         # SLURM's client is installed but no controller answers (e.g. a machine where CI's cluster was torn down).
-        pytest.skip(f"no SLURM controller answers ({info.stderr.strip()}); `bash tools/slurm_ci_setup.sh up` starts one")
+        pytest.skip(f"no SLURM controller answers ({info.stderr.strip()}); "
+                    "`bash tools/slurm_ci_setup.sh up` starts one")
     assert info.returncode == 0, info.stderr
     return info.stdout
 
@@ -53,15 +54,26 @@ def _job(jid) -> dict:
     return dict(re.findall(r"(\w+)=(\S+)", out))
 
 
-def _wait(jid, until, timeout=600):
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def _wait(jid, until, timeout=600, logs=None):
+    """Poll `scontrol show job` until `until(job)`; a job that ended otherwise fails at once, with its state, reason
+    and the tail of its output files (`logs`: their paths), instead of polling on to the timeout."""
     deadline = time.time() + timeout
-    while time.time() < deadline:
+    while True:
         job = _job(jid)
         if until(job):
             return job
-        time.sleep(1)
-    subprocess.run(["scancel", jid], timeout=60)
-    pytest.fail(f"job {jid} did not get there in {timeout}s: {_job(jid)}")
+        ended = job.get("JobState") in ENDED
+        if ended or time.time() > deadline:
+            if not ended:
+                subprocess.run(["scancel", jid], timeout=60)
+            tails = "".join(f"\n--- {f}:\n{f.read_text()[-2000:]}" for f in logs or () if f.exists())
+            pytest.fail(f"job {jid} {'ended' if ended else f'did not get there in {timeout}s'}: JobState="
+                        f"{job.get('JobState')} Reason={job.get('Reason')} Restarts={job.get('Restarts')} "
+                        f"ExitCode={job.get('ExitCode')}{tails}")
+        time.sleep(0.5)
 
 
 def _losses(run_dir):
@@ -83,7 +95,7 @@ def test_sbatch_two_nodes_hsdp_tp2_matches_one_process(slurm, reference, tmp_pat
     t0 = time.time()
     jid = _submit(tmp_path, "hp-2node", [*ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir),
                                           "--parallel.tp", "2", "--parallel.dp_replicate", "2"])
-    job = _wait(jid, lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+    job = _wait(jid, lambda j: j.get("JobState") in ENDED)
     stdout = (tmp_path / f"hp-2node-{jid}.out").read_text()
     assert job["JobState"] == "COMPLETED", stdout[-3000:] + (tmp_path / f"hp-2node-{jid}.err").read_text()[-3000:]
     assert "4 rank(s) on 2 host(s)" in stdout and "'dp_replicate': 2, 'dp_shard': 1, 'tp': 2" in stdout
@@ -101,7 +113,7 @@ def test_srun_without_torchrun_reads_slurm_variables(slurm, reference, tmp_path,
 
     run_dir = tmp_path / "srun"
     args = [*ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), "--parallel.tp", "2"]
-    cmd = "srun --kill-on-bad-exit=1 " + " ".join(shlex.quote(a) for a in [sys.executable, "launch/pretrain_gpt.py", *args])
+    cmd = "srun --kill-on-bad-exit=1 " + shlex.join([sys.executable, "launch/pretrain_gpt.py", *args])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
     env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--job-name=hp-srun",
@@ -109,7 +121,7 @@ def test_srun_without_torchrun_reads_slurm_variables(slurm, reference, tmp_path,
                          capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     jid = out.stdout.strip().split(";")[0]
-    job = _wait(jid, lambda j: j.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"))
+    job = _wait(jid, lambda j: j.get("JobState") in ENDED)
     stdout = (tmp_path / f"hp-srun-{jid}.out").read_text()
     assert job["JobState"] == "COMPLETED", stdout[-3000:]
     assert "4 rank(s) on 2 host(s)" in stdout and "'dp_shard': 2, 'tp': 2" in stdout
@@ -127,17 +139,23 @@ def test_preempted_job_saves_requeues_and_resumes(slurm, tmp_path, cache_dir):
     run_dir = tmp_path / "preempted"
     t0 = time.time()
     jid = _submit(tmp_path, "hp-preempt", [*args, "--run.dir", str(run_dir)], nodes=1)
-    deadline = time.time() + 300
-    while time.time() < deadline:  # wait until it trains
-        if (run_dir / "metrics.jsonl").exists() and '"step": 3,' in (run_dir / "metrics.jsonl").read_text():
-            break
-        time.sleep(0.2)
+    logs = [tmp_path / f"hp-preempt-{jid}.out", tmp_path / f"hp-preempt-{jid}.err"]
+    metrics = run_dir / "metrics.jsonl"  # wait until it trains
+    _wait(jid, lambda j: metrics.exists() and '"step": 3,' in metrics.read_text(), timeout=300, logs=logs)
     sig = subprocess.run(["scancel", "--signal=USR1", "--batch", jid], capture_output=True, text=True, timeout=60)
     assert sig.returncode == 0, sig.stderr
-    # SLURM holds a requeued job for about two minutes (its BeginTime); make it eligible now to keep the test short.
-    _wait(jid, lambda j: int(j.get("Restarts", "0")) >= 1 and j.get("JobState") == "PENDING", timeout=300)
-    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], capture_output=True, timeout=60)
-    job = _wait(jid, lambda j: int(j.get("Restarts", "0")) >= 1 and j.get("JobState") == "COMPLETED", timeout=900)
+    _wait(jid, lambda j: int(j.get("Restarts", "0")) >= 1 and j.get("JobState") == "PENDING", timeout=300, logs=logs)
+    seen = time.time()
+    # SLURM holds a requeued job for cred_expire + 1 s (121 s by default, its BeginTime) because the requeue revoked
+    # the job's launch credentials with a whole-second timestamp, and a node refuses every credential of that job made
+    # in the same second or before ("Job credential revoked": the job FAILs without running). The requeue came before
+    # `seen`, so once the clock is in the next second a new credential is newer: make the job eligible then.
+    time.sleep(max(0.0, int(seen) + 1.05 - time.time()))
+    upd = subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], capture_output=True, text=True,
+                         timeout=60)
+    assert upd.returncode == 0, upd.stderr
+    job = _wait(jid, lambda j: int(j.get("Restarts", "0")) >= 1 and j.get("JobState") == "COMPLETED", timeout=300,
+                logs=logs)
     stdout = (tmp_path / f"hp-preempt-{jid}.out").read_text()
     assert "requeueing job" in stdout and "resuming from" in stdout, stdout[-3000:]
     assert _losses(run_dir) == _losses(ref_dir)  # bitwise, every step before and after the requeue
