@@ -3,6 +3,7 @@ from being rebuilt by every end-to-end test while leaving the user's ~/.cache al
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,25 @@ def cache_dir(tmp_path_factory) -> Path:
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 600,
             env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a launch/ script as a user would, in a fresh interpreter (env: the environment, default this one's)."""
-    env = {k: v for k, v in (env or os.environ).items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    return subprocess.run([sys.executable, *args], cwd=cwd or ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=cwd or ROOT, env=user_env(env), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def user_env(env: dict | None = None) -> dict:
+    """`env` (default this process's environment) without torchrun's rank variables, as a user's shell has it."""
+    return {k: v for k, v in (env or os.environ).items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """Every row of <run_dir>/metrics.jsonl, in order."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_rows(run_dir: Path) -> dict[int, dict]:
+    """The last training row of each step (a resumed run logs again the steps after its checkpoint)."""
+    return {r["step"]: r for r in metrics_rows(run_dir) if "loss" in r}
+
+
+def loss_curve(run_dir: Path) -> dict[int, float]:
+    """Each step's training loss, from step_rows()."""
+    return {s: r["loss"] for s, r in step_rows(run_dir).items()}

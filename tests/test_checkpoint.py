@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, loss_curve, run_cli, step_rows, user_env
 from hybridpar.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints,
                                   load_full_model_state, read_trainer_state, resolve_load_path, step_of)
 
@@ -30,27 +30,13 @@ def _args(cache_dir, run_dir, *extra):
     return ["launch/pretrain_gpt.py", *COMMON, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), *extra]
 
 
-def _rows(run_dir) -> dict[int, dict]:
-    """The last metrics row of each step (a resumed run re-logs the steps after its checkpoint)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "loss" in r}
-
-
-def _losses(run_dir) -> dict[int, float]:
-    return {s: r["loss"] for s, r in _rows(run_dir).items()}
-
-
-def _env():
-    return {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir):
     run_dir = tmp_path_factory.mktemp("ckpt") / "ref"
     out = run_cli(_args(cache_dir, run_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     (run_dir / "stdout.txt").write_text(out.stdout)
-    losses = _losses(run_dir)
+    losses = loss_curve(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return run_dir, losses, load_full_model_state(checkpoint_dir(run_dir, STEPS))
 
@@ -58,7 +44,7 @@ def reference(tmp_path_factory, cache_dir):
 def _kill_when(run_dir, cache_dir, ready, delay: float = 0.0):
     """Start the run, SIGKILL it once ready(run_dir) holds (plus delay); returns whether it was still running."""
     with open(run_dir.parent / "killed.log", "w") as log:  # its console, kept for a failure's message
-        proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir)], cwd=ROOT, env=_env(),
+        proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir)], cwd=ROOT, env=user_env(),
                                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while not ready(run_dir) and proc.poll() is None and time.time() < deadline:
@@ -100,10 +86,10 @@ def test_kill_9_and_resume_is_bitwise_exact(kill_point, reference, tmp_path, cac
     assert read_trainer_state(checkpoint_dir(run_dir, STEPS)) == {"step": STEPS, "consumed_samples": STEPS * 8,
                                                                   "skipped": 0, "skip_streak": 0}
     assert "note:" not in out.stdout  # same thread count: no warning about an inexact resume
-    ref_rows, rows = _rows(reference[0]), _rows(run_dir)
+    ref_rows, rows = step_rows(reference[0]), step_rows(run_dir)
     # The same tokens in the same order at every step, before and after the kill (CRC-32 of each step's batch).
     assert {s: r["batch_crc32"] for s, r in rows.items()} == {s: r["batch_crc32"] for s, r in ref_rows.items()}
-    got = _losses(run_dir)
+    got = loss_curve(run_dir)
     # Bitwise: every step, before and after the kill. On a failure, say which steps differ, with exact values and
     # gradient norms, and both processes' start-up lines (this test once failed in a review run at step 1 only, by
     # ~1e-6 relative, and never here since; `python benchmarks/determinism.py sensitivity` measures which
@@ -143,11 +129,11 @@ def test_resume_with_another_thread_count_says_it_is_not_bitwise(reference, tmp_
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(checkpoint_dir(ref_dir, 4), checkpoint_dir(run_dir, 4))
-    out = run_cli(_args(cache_dir, run_dir), env={**_env(), "OMP_NUM_THREADS": str(other)})
+    out = run_cli(_args(cache_dir, run_dir), env={**user_env(), "OMP_NUM_THREADS": str(other)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert (f"note: step_00000004 was written by a CPU run with {was} intra-op threads and this one has {other}: "
             f"the curve continues to rounding, not bitwise (OMP_NUM_THREADS={was} resumes it exactly)") in out.stdout
-    got = _losses(run_dir)
+    got = loss_curve(run_dir)
     assert sorted(got) == list(range(5, STEPS + 1))
     assert all(abs(got[s] - ref_losses[s]) <= 1e-5 * ref_losses[s] for s in got), (got, ref_losses)
 
@@ -163,14 +149,14 @@ def test_resume_into_another_layout_continues_the_curve(layout, tmp_path, cache_
         out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                        *_args(cache_dir, src, "--parallel.dp_shard", "2", "--parallel.tp", "2")])
         assert out.returncode == 0, out.stderr[-3000:]
-    src_losses = _losses(src)
+    src_losses = loss_curve(src)
     r, s, t = layout
     run_dir = tmp_path / "resharded"
     out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                    *_args(cache_dir, run_dir, "--checkpoint.load", str(checkpoint_dir(src, 4)),
                           "--parallel.dp_replicate", r, "--parallel.dp_shard", s, "--parallel.tp", t)])
     assert out.returncode == 0, out.stderr[-3000:]
-    got = _losses(run_dir)
+    got = loss_curve(run_dir)
     assert sorted(got) == list(range(5, STEPS + 1))
     for step in got:
         assert abs(got[step] - src_losses[step]) <= 1e-5 * abs(src_losses[step]), (got, src_losses)
@@ -183,7 +169,7 @@ def test_async_save_equals_sync_save(reference, tmp_path, cache_dir):
     assert "started checkpoint" in out.stdout and "step loop blocked" in out.stdout
     assert [p.name for p in list_checkpoints(run_dir)] == ["step_00000004", "step_00000006", "step_00000008"]
     ref_dir, ref_losses, _ = reference
-    assert _losses(run_dir) == ref_losses
+    assert loss_curve(run_dir) == ref_losses
     for step in (4, 8):
         a, b = (load_full_model_state(checkpoint_dir(d, step)) for d in (run_dir, ref_dir))
         assert all(torch.equal(a[k], b[k]) for k in b)
@@ -192,7 +178,7 @@ def test_async_save_equals_sync_save(reference, tmp_path, cache_dir):
 def test_sigterm_saves_exits_75_and_resumes_exactly(reference, tmp_path, cache_dir):
     run_dir = tmp_path / "preempted"
     proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir, "--checkpoint.interval", "100")], cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if (run_dir / "metrics.jsonl").exists() and '"step": 3' in (run_dir / "metrics.jsonl").read_text():
@@ -207,12 +193,12 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(reference, tmp_path, cache_d
     assert 3 <= stopped_at < STEPS and f"saved checkpoint {saved}" in stdout
     out = run_cli(_args(cache_dir, run_dir, "--checkpoint.interval", "100"))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert _losses(run_dir) == reference[1]
+    assert loss_curve(run_dir) == reference[1]
 
 
 def test_second_signal_aborts_and_keeps_the_last_checkpoint(tmp_path, cache_dir):
     run_dir = tmp_path / "twice"
-    proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir)], cwd=ROOT, env=_env(),
+    proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir)], cwd=ROOT, env=user_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and not (checkpoint_dir(run_dir, 2) / "COMPLETE").exists():
@@ -250,6 +236,6 @@ def test_weights_only_starts_a_new_run(reference, tmp_path, cache_dir):
     out = run_cli(_args(cache_dir, tmp_path / "ft", "--checkpoint.load", str(reference[0]),
                         "--checkpoint.load_weights_only", "true", "--train.steps", "2"))
     assert out.returncode == 0, out.stderr[-3000:]
-    losses = _losses(tmp_path / "ft")
+    losses = loss_curve(tmp_path / "ft")
     assert sorted(losses) == [1, 2]
     assert losses[1] < reference[1][1] - 0.2  # starts from trained weights, not from the initialisation

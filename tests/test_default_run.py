@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import json
-
-from conftest import run_cli
-
-
-def _rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from conftest import metrics_rows, run_cli
 
 
 def test_default_run_learns_and_writes_its_files(tmp_path, cache_dir):
@@ -17,7 +11,7 @@ def test_default_run_learns_and_writes_its_files(tmp_path, cache_dir):
             "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), "--train.sample_tokens", "20"]
     out = run_cli(args)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in train] == list(range(5, 41, 5))
@@ -37,9 +31,9 @@ def test_default_run_learns_and_writes_its_files(tmp_path, cache_dir):
                     "--train.steps", "10"])
     assert out2.returncode == 0, out2.stderr[-3000:]
     first10 = {r["step"]: r["loss"] for r in train if r["step"] <= 10}
-    assert {r["step"]: r["loss"] for r in _rows(again) if "loss" in r and r["step"] <= 10} != {}
+    assert {r["step"]: r["loss"] for r in metrics_rows(again) if "loss" in r and r["step"] <= 10} != {}
     # The LR schedule depends on train.steps, so compare the warmup steps, where it does not.
-    for r in _rows(again):
+    for r in metrics_rows(again):
         if "loss" in r and r["step"] in first10:
             assert r["loss"] == first10[r["step"]]
 

@@ -4,12 +4,11 @@ TensorBoard."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from conftest import run_cli
+from conftest import metrics_rows, run_cli
 from hybridpar.flops import flops_per_token, matmul_params, peak_tflops
 from hybridpar.models import get_model_config
 from hybridpar.wandb_file import history, run_id
@@ -17,10 +16,6 @@ from hybridpar.wandb_file import history, run_id
 FAKE_KEY = "hybridpar-test-key-0123456789abcdef0123"
 ARGS = ["--train.steps", "6", "--train.global_batch_size", "8", "--train.seq_len", "64", "--logging.interval", "2",
         "--train.eval_interval", "3", "--train.sample_tokens", "0", "--checkpoint.interval", "3"]
-
-
-def _rows(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _wandb_files(run_dir):
@@ -49,7 +44,7 @@ def test_offline_wandb_history_equals_metrics_jsonl(offline_run):
     for row in history(files[0]):
         logged.setdefault(row["_step"], {}).update({k: v for k, v in row.items() if k != "_step"})
     expected = {}
-    for row in _rows(run_dir):  # all but the step and batch_crc32, an identifier kept out of W&B
+    for row in metrics_rows(run_dir):  # all but the step and batch_crc32, an identifier kept out of W&B
         expected.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k not in ("step", "batch_crc32")})
     assert sorted(logged) == sorted(expected) == [0, 2, 3, 4, 6]
     assert not any("batch_crc32" in values for values in logged.values())
@@ -60,7 +55,7 @@ def test_offline_wandb_history_equals_metrics_jsonl(offline_run):
 
 def test_training_rows_carry_every_metric(offline_run):
     run_dir, out = offline_run
-    train = [r for r in _rows(run_dir) if "loss" in r]
+    train = [r for r in metrics_rows(run_dir) if "loss" in r]
     for r in train:
         assert {"loss", "lr", "grad_norm", "tokens_per_sec", "tokens_per_sec_per_device", "tflops_per_device",
                 "step_time", "data_time", "consumed_tokens", "skipped_steps", "step_time_max",

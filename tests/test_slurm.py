@@ -6,7 +6,6 @@ turns that skip into a failure."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -16,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, loss_curve, run_cli, user_env
 
 ARGS = ["--train.steps", "6", "--train.global_batch_size", "16", "--train.seq_len", "64", "--logging.interval", "1",
         "--train.eval_interval", "0", "--train.sample_tokens", "0", "--train.precision", "fp32",
@@ -39,7 +38,7 @@ def slurm():
 
 
 def _submit(tmp_path, name, args, nodes=2, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    env = user_env()
     env.update(NPROC_PER_NODE="2", HYBRIDPAR_PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env_extra or {}))
     out = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={name}",
                           f"--output={tmp_path}/%x-%j.out", f"--error={tmp_path}/%x-%j.err", f"--chdir={ROOT}",
@@ -76,17 +75,12 @@ def _wait(jid, until, timeout=600, logs=None):
         time.sleep(0.5)
 
 
-def _losses(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir):
     run_dir = tmp_path_factory.mktemp("slurm-ref") / "ref"
     out = run_cli(["launch/pretrain_gpt.py", *ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)])
     assert out.returncode == 0, out.stderr[-3000:]
-    return _losses(run_dir)
+    return loss_curve(run_dir)
 
 
 def test_sbatch_two_nodes_hsdp_tp2_matches_one_process(slurm, reference, tmp_path, cache_dir):
@@ -99,7 +93,7 @@ def test_sbatch_two_nodes_hsdp_tp2_matches_one_process(slurm, reference, tmp_pat
     stdout = (tmp_path / f"hp-2node-{jid}.out").read_text()
     assert job["JobState"] == "COMPLETED", stdout[-3000:] + (tmp_path / f"hp-2node-{jid}.err").read_text()[-3000:]
     assert "4 rank(s) on 2 host(s)" in stdout and "'dp_replicate': 2, 'dp_shard': 1, 'tp': 2" in stdout
-    got = _losses(run_dir)
+    got = loss_curve(run_dir)
     assert sorted(got) == sorted(reference)
     for step, want in reference.items():
         assert abs(got[step] - want) <= 1e-5 * abs(want), (got, reference)
@@ -114,8 +108,7 @@ def test_srun_without_torchrun_reads_slurm_variables(slurm, reference, tmp_path,
     run_dir = tmp_path / "srun"
     args = [*ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), "--parallel.tp", "2"]
     cmd = "srun --kill-on-bad-exit=1 " + shlex.join([sys.executable, "launch/pretrain_gpt.py", *args])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-    env["OMP_NUM_THREADS"] = "1"
+    env = {**user_env(), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--job-name=hp-srun",
                           f"--output={tmp_path}/%x-%j.out", f"--chdir={ROOT}", f"--wrap={cmd}"],
                          capture_output=True, text=True, env=env, timeout=60)
@@ -125,7 +118,7 @@ def test_srun_without_torchrun_reads_slurm_variables(slurm, reference, tmp_path,
     stdout = (tmp_path / f"hp-srun-{jid}.out").read_text()
     assert job["JobState"] == "COMPLETED", stdout[-3000:]
     assert "4 rank(s) on 2 host(s)" in stdout and "'dp_shard': 2, 'tp': 2" in stdout
-    got = _losses(run_dir)
+    got = loss_curve(run_dir)
     for step, want in reference.items():
         assert abs(got[step] - want) <= 1e-5 * abs(want), (got, reference)
 
@@ -158,5 +151,5 @@ def test_preempted_job_saves_requeues_and_resumes(slurm, tmp_path, cache_dir):
                 logs=logs)
     stdout = (tmp_path / f"hp-preempt-{jid}.out").read_text()
     assert "requeueing job" in stdout and "resuming from" in stdout, stdout[-3000:]
-    assert _losses(run_dir) == _losses(ref_dir)  # bitwise, every step before and after the requeue
+    assert loss_curve(run_dir) == loss_curve(ref_dir)  # bitwise, every step before and after the requeue
     print(f"preempted job {jid}: {time.time() - t0:.0f}s from submit to COMPLETED after {job['Restarts']} requeue(s)")
