@@ -37,9 +37,8 @@ def slurm():
     return info.stdout
 
 
-def _submit(tmp_path, name, args, nodes=2, env_extra=None):
-    env = user_env()
-    env.update(NPROC_PER_NODE="2", HYBRIDPAR_PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env_extra or {}))
+def _submit(tmp_path, name, args, nodes=2):
+    env = {**user_env(), "NPROC_PER_NODE": "2", "HYBRIDPAR_PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={name}",
                           f"--output={tmp_path}/%x-%j.out", f"--error={tmp_path}/%x-%j.err", f"--chdir={ROOT}",
                           "launch/slurm/pretrain_gpt.sbatch", *args],
