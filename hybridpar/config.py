@@ -116,7 +116,10 @@ class OptimConfig:
     beta1: float = doc(0.9, "AdamW beta1")
     beta2: float = doc(0.95, "AdamW beta2")
     eps: float = doc(1e-8, "AdamW epsilon")
-    fused: Optional[bool] = doc(None, "fused AdamW kernel; None = on where the device supports it")
+    fused: Optional[bool] = doc(None, "fused AdamW kernel; None = on where every parameter is on a GPU (the CUDA "
+                                      "default), off on CPU")
+    foreach: Optional[bool] = doc(None, "without the fused kernel: the foreach (multi-tensor) AdamW; None = torch's "
+                                        "choice (foreach on CUDA, the per-tensor loop on CPU)")
 
     def __post_init__(self):
         _positive("optim", lr=self.lr, eps=self.eps, decay_steps=self.decay_steps)

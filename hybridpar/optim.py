@@ -8,17 +8,31 @@ from torch import nn
 from hybridpar.config import OptimConfig
 
 
+def tensor_kind(t: torch.Tensor) -> tuple:
+    """What a fused or foreach kernel needs alike across one call: plain tensors, or DTensors of one mesh and
+    placements (those kernels refuse a mix of plain tensors and DTensors)."""
+    return (t.device_mesh, tuple(t.placements)) if hasattr(t, "device_mesh") else ("plain",)
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW whose weight decay applies to parameters of 2+ dims (linear weights, embeddings) and not to biases or
-    norm gains, as in GPT-3 and nanoGPT. Fused kernel for CUDA parameters unless optim.fused says otherwise."""
-    decay, no_decay = [], []
+    norm gains, as in GPT-3 and nanoGPT. Fused kernel for CUDA parameters unless optim.fused says otherwise.
+
+    One param group per (decay, tensor kind): under tensor parallelism without FSDP some parameters stay plain
+    tensors (learned positions, norms without sequence parallelism) beside DTensors, and the fused and foreach
+    kernels take one kind per call. The groups share every hyperparameter but the decay, so the update is the same
+    as with two groups."""
+    groups: dict[tuple, dict] = {}
     for p in model.parameters():  # each shared (tied) parameter once
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            decay = cfg.weight_decay if p.dim() >= 2 else 0.0
+            groups.setdefault((decay > 0, tensor_kind(p)), {"params": [], "weight_decay": decay})["params"].append(p)
+    params = [p for g in groups.values() for p in g["params"]]
     # Where the parameters live decides the kernel: with FSDP CPU offload they (and the step) are on the CPU.
-    fused = cfg.fused if cfg.fused is not None else all(p.device.type == "cuda" for p in decay + no_decay)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+    fused = cfg.fused if cfg.fused is not None else all(p.device.type == "cuda" for p in params)
+    foreach = None if fused else cfg.foreach
+    return torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=fused, foreach=foreach)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -35,15 +49,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         g = p.grad
         if g is None:
             continue
-        key = (g.device_mesh, tuple(g.placements)) if hasattr(g, "device_mesh") else ("plain",)
-        groups.setdefault(key, []).append(g)
+        groups.setdefault(tensor_kind(g), []).append(g)
     squares = []
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    if not squares:
+        return torch.zeros((), device=next(model.parameters()).device)
+    total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in groups.values():

@@ -158,17 +158,20 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
-        microbatches = self.data.train.microbatches(step)
+        # Copied to the device at once, asynchronously (the loader pins them on a GPU), so the target-token count
+        # below is computed there: counting on the host first would make its copy a blocking one.
+        microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                        for x, y in self.data.train.microbatches(step)]
         self.data_wait_seconds += time.perf_counter() - t0
         self.batch_crc32 = self.data.train.crc32.pop(step, None)
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
-        n_tokens = self._dp_sum(count_target_tokens(microbatches).to(self.device, torch.float32))
+        n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
                                               forward_loss=self.forward_loss, grad_scale=self.grad_scale,
                                               autocast=self.autocast, loss_context=self.loss_context,
                                               stop_now=self._stop_mid_step)
-        grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip).reshape(()).float().to(self.device)
-        stop = torch.tensor(float(self.stop_requested), device=self.device)
+        grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip).reshape(()).float()
+        stop = torch.full((), float(self.stop_requested), device=self.device)  # a fill kernel, not a host copy
         if dist.get_world_size() > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         status = torch.stack([grad_norm, stop])  # (norm, stop vote): settled by settle(), now or one step late

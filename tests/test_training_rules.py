@@ -129,18 +129,34 @@ NO_SYNC = textwrap.dedent("""
     syncs = []
     names = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
     originals = {n: getattr(torch.Tensor, n) for n in names}
+    main = lambda: threading.current_thread() is threading.main_thread()
     for n in names:
         # counted in this thread only: the read-ahead thread's checks of token ids touch host data, not the device
-        setattr(torch.Tensor, n, lambda self, *a, _n=n, **k: (
-            threading.current_thread() is threading.main_thread() and syncs.append(_n), originals[_n](self, *a, **k))[1])
+        setattr(torch.Tensor, n, lambda self, *a, _n=n, **k: (main() and syncs.append(_n), originals[_n](self, *a, **k))[1])
+    # Host-to-device copies that block on a GPU: a tensor made from Python data (torch.tensor, as_tensor), and a
+    # move to a device without non_blocking in hybridpar's code (from a host tensor such a copy waits for all queued
+    # work; onto the tensor's own device it does nothing and needs no .to). torch's own same-device .to calls
+    # (get_total_norm's) are not counted.
+    def moves(a, k):
+        caller = sys._getframe(2).f_code.co_filename
+        return ("/hybridpar/" in caller and ("device" in k or any(isinstance(v, (torch.device, str)) for v in a))
+                and not k.get("non_blocking"))
+    originals["to"] = torch.Tensor.to
+    torch.Tensor.to = lambda self, *a, **k: (main() and moves(a, k) and syncs.append("blocking .to(device)"),
+                                             originals["to"](self, *a, **k))[1]
+    factories = {n: getattr(torch, n) for n in ("tensor", "as_tensor")}
+    for n, f in factories.items():
+        setattr(torch, n, lambda *a, _n=n, _f=f, **k: (main() and syncs.append(f"torch.{_n}"), _f(*a, **k))[1])
     before = []
     for step in (1, 2, 3):
         poison["on"] = step == 2
         before.append(weight.detach().clone())
         trainer.train_step(step)
     after = weight.detach().clone()
-    for n in names:
-        setattr(torch.Tensor, n, originals[n])
+    for n, f in originals.items():
+        setattr(torch.Tensor, n, f)
+    for n, f in factories.items():
+        setattr(torch, n, f)
     trainer.settle()
     print(json.dumps({"syncs": syncs, "skipped": trainer.skipped_steps,
                       "moved": [bool((b != a).any()) for b, a in zip(before, before[1:] + [after])]}))
