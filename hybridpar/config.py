@@ -36,6 +36,12 @@ class ParallelConfig:
         "node's GPUs / tp) so backward's all-gather stays inside a group; None = as fsdp_strategy")
     fsdp_prefetch: int = doc(1, "blocks whose parameters are all-gathered ahead of use, in forward and in backward "
                                 "(1 = the next block, FSDP2's own default; 2+ overlaps more, holds more memory)")
+    accumulate_unsharded: Union[Literal["auto"], bool] = doc(
+        "auto", "with FSDP and 2+ microbatches per step: true keeps every block's parameters gathered and its "
+        "gradients unsharded (fp32) between microbatches, reducing once per step (fewest collectives, about 6 bytes "
+        "per tensor-parallel-local parameter in bf16, 8 in fp32); false reduce-scatters and reshards after every "
+        "microbatch's backward (under HSDP the cross-replica all-reduce still runs once per step); auto = true "
+        "where the planner says it fits the device's memory and is not slower")
     timeout_minutes: float = doc(10.0, "collective timeout: a rank that stops answering ends the job after this long")
     fsdp_cpu_offload: bool = doc(False, "keep sharded parameters, gradients and optimizer state in CPU memory "
                                         "(the optimizer step runs on the CPU); for models that do not fit otherwise")
@@ -74,6 +80,11 @@ class TrainConfig:
     loss_chunk_tokens: int = doc(4096, "with tp = 1: LM head + cross entropy fused, in chunks of this many tokens, so "
                                        "the [tokens, vocab] logits never exist at once; 0 = plain logits then loss "
                                        "(tp > 1 always uses the vocab-parallel loss)")
+    deterministic: bool = doc(False, "deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace "
+                                     ":4096:8): on a GPU, bitwise-repeatable steps and resumes at some speed cost; "
+                                     "see docs/checkpoints.md")
+    tf32: bool = doc(False, "fp32 runs on a GPU: TF32 tensor-core matmuls (10-bit mantissa inputs, fp32 accumulate), "
+                            "several times faster than strict fp32; off = torch's default, exact fp32")
     memory_check: bool = doc(True, "on a GPU, refuse to start when the planner's per-GPU total exceeds the device's "
                                    "usable memory (and name the best layout that fits); false starts anyway")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables clipping")

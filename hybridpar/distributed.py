@@ -38,7 +38,9 @@ def world_from_env(env=os.environ) -> WorldInfo:
                          int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
         ntasks = int(env["SLURM_NTASKS"])
-        local = int(env.get("SLURM_NTASKS_PER_NODE", str(ntasks)).split("(")[0])
+        # SLURM_NTASKS_PER_NODE only with --ntasks-per-node; SLURM_TASKS_PER_NODE ("4(x2)" or "4,4") always
+        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(ntasks)
+        local = int(per_node.split(",")[0].split("(")[0])
         return WorldInfo(int(env["SLURM_PROCID"]), ntasks, int(env.get("SLURM_LOCALID", 0)), local)
     return WorldInfo(0, 1, 0, 1)
 
@@ -74,12 +76,33 @@ def _describe(degrees) -> str:
     return ", ".join(f"{n}={d}" for n, d in zip(MESH_AXES, degrees))
 
 
+def cuda_index(local_rank: int) -> int:
+    """This rank's GPU: its local rank when the node's GPUs are all visible (torchrun, srun without binding), GPU 0
+    when the launcher bound one GPU to each task (srun --gpus-per-task=1 or --gpu-bind: CUDA_VISIBLE_DEVICES names
+    only that GPU)."""
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return local_rank
+    if count == 1:
+        return 0
+    raise ConfigError(f"local rank {local_rank} sees {count} GPUs (CUDA_VISIBLE_DEVICES="
+                      f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {count} ranks per node, "
+                      f"or bind one GPU per task (srun --gpus-per-task=1)")
+
+
+def gpus_per_node(device: torch.device, world: WorldInfo) -> int | None:
+    """GPUs of a node that hybridpar's ranks use (the bound on tp): the ranks on this node, one GPU each, whether
+    each rank sees every GPU of the node or only its own. None on the CPU (no such bound)."""
+    return world.local_world_size if device.type == "cuda" else None
+
+
 def pick_device(choice: str, local_rank: int) -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("train.device=cuda but no CUDA device is visible; use --train.device cpu")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = cuda_index(local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     # CPU: set the intra-op thread count explicitly (the same number torch chose). Besides OpenMP this fixes MKL's
     # count for every thread and turns MKL's dynamic thread adjustment off, the conditions under which MKL's GEMMs
     # give the same bits run to run (Intel oneMKL developer guide, "Reproducibility Conditions"). A process that
@@ -88,19 +111,37 @@ def pick_device(choice: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def set_numerics(deterministic: bool, tf32: bool) -> None:
+    """Kernel choices that change numbers, set before the first GPU kernel runs: deterministic algorithms (cuBLAS
+    needs its workspace size fixed before its handle is created) and TF32 matmuls."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+
+
 def init_mesh(cfg: ParallelConfig, device: torch.device, world: WorldInfo) -> DeviceMesh:
     """Start the process group (if not started) and build the 3-axis mesh."""
     degrees = resolve_degrees(cfg, world.world_size)
     if not dist.is_initialized():
-        backend = cfg.backend or ("nccl" if device.type == "cuda" else "gloo")
-        timeout = timedelta(minutes=cfg.timeout_minutes)  # a dead rank ends the job after this, not hours later
+        options = process_group_options(cfg, device)
         if world.world_size == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
         else:
             if "MASTER_ADDR" not in os.environ and "SLURM_JOB_NODELIST" in os.environ:  # srun without torchrun
                 os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = slurm_master()
-            dist.init_process_group(backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
+            dist.init_process_group(rank=world.rank, world_size=world.world_size, **options)
     return init_device_mesh(device.type, degrees, mesh_dim_names=MESH_AXES)
+
+
+def process_group_options(cfg: ParallelConfig, device: torch.device) -> dict:
+    """init_process_group's backend, timeout and, on a GPU, device_id: NCCL then binds the group to this rank's
+    GPU at once (its barriers and the first collective do not have to guess the device from the rank)."""
+    options = {"backend": cfg.backend or ("nccl" if device.type == "cuda" else "gloo"),
+               "timeout": timedelta(minutes=cfg.timeout_minutes)}  # a dead rank ends the job after this
+    if device.type == "cuda":
+        options["device_id"] = device
+    return options
 
 
 def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:

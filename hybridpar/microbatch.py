@@ -5,8 +5,11 @@ One optimizer step runs the rank's microbatches forward and backward in turn. Tw
   global batch (all microbatches of all data-parallel ranks), so the accumulated gradient is the gradient of the
   global batch's mean token loss, whatever the split into microbatches or ranks. Averaging per microbatch would
   weight a short-target microbatch like a full one.
-- Gradients are synchronised across data-parallel ranks only on the last microbatch: a model with
-  `set_requires_gradient_sync` (FSDP2) skips its reduce-scatter on the others.
+- With FSDP2, `accumulate_unsharded` chooses what is held between microbatches. True: every block stays gathered
+  and its gradient unsharded until the last microbatch, which reduces once (fewest collectives, the whole
+  tensor-parallel-local model held unsharded). False: each microbatch's backward reduce-scatters into the sharded
+  gradient and reshards, as in a single-microbatch step; under HSDP only the cross-replica all-reduce waits for the
+  last microbatch. hybridpar.plan counts the memory and traffic of both.
 """
 
 from __future__ import annotations
@@ -62,11 +65,12 @@ def forward_backward_no_pipelining(
     autocast=nullcontext,
     loss_context=nullcontext,
     stop_now: Callable[[], bool] = lambda: False,
+    accumulate_unsharded: bool = True,
 ) -> torch.Tensor:
     """Forward and backward over this rank's microbatches of one global batch; gradients accumulate in .grad.
 
     Args:
-        model: the (parallelized) model; called as model(inputs) -> logits.
+        model: the (parallelized) model, called by forward_loss.
         microbatches: this rank's (inputs, targets) pairs, each (b, T), on any device.
         num_global_tokens: target tokens of the whole global batch, all ranks together (a device tensor: no host sync).
         device: where to move each microbatch.
@@ -76,6 +80,8 @@ def forward_backward_no_pipelining(
         autocast: a context-manager factory for mixed precision (around the forward and the loss).
         loss_context: a context-manager factory around loss and backward (tensor parallelism's loss_parallel).
         stop_now: asked after each microbatch but the last; True raises StopMidStep (the step is abandoned).
+        accumulate_unsharded: with FSDP2, hold gathered parameters and unsharded gradients between microbatches
+            (True) or reduce-scatter and reshard after each (False; HSDP's all-reduce still once per step).
     Returns:
         This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
         ranks gives the global batch's mean loss). No host sync happens here.
@@ -84,9 +90,12 @@ def forward_backward_no_pipelining(
     n = len(microbatches)
     for i, (x, y) in enumerate(microbatches):
         last = i == n - 1
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: no reduce-scatter / all-reduce before the last
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last)  # and no re-gather of parameters between microbatches
+        if hasattr(model, "set_requires_gradient_sync") and n > 1:  # FSDP2
+            if accumulate_unsharded:  # no reduce-scatter / all-reduce before the last, no re-gather in between
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
+            else:  # reduce-scatter every microbatch; HSDP's cross-replica all-reduce on the last only
+                model.set_requires_all_reduce(last)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with loss_context():
             with autocast():

@@ -12,6 +12,7 @@ Per-parameter local shapes (which rank holds which piece) live in hybridpar.shap
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Iterator
@@ -63,6 +64,9 @@ LAUNCH_S = 5e-6           # host time per kernel launch, exposed when kernels ar
 FSDP_HOOKS_S = 100e-6     # FSDP2's pre/post forward and backward hooks of one block, per microbatch (host time)
 LINK_EFFICIENCY = 0.80    # achieved bus bandwidth / link bandwidth of NCCL ring collectives at large message sizes
 RESERVED_GIB = 3.0        # CUDA context, NCCL buffers and allocator fragmentation kept out of the usable memory
+RUNTIME_RESERVE_GIB = 2.0  # of a GPU's free memory at start (the context already out): NCCL buffers and allocator
+#                            fragmentation; not yet measured on a GPU (benchmarks/h200_check.sh reports reserved -
+#                            allocated at the peak, the figure to set it from)
 
 
 # -- memory --------------------------------------------------------------------------------------------------------
@@ -160,9 +164,38 @@ def logits_bytes(m: ModelConfig, tokens: int, tp: int, precision: str, chunk_tok
     return tokens * chunk(m.vocab_size, tp, 0) * (a + 8)
 
 
+def microbatches(cfg: Config, layout: Layout) -> int:
+    """Microbatches per optimizer step on each data-parallel rank."""
+    t = cfg.train
+    return t.global_batch_size // ((t.micro_batch_size or t.global_batch_size // layout.dp) * layout.dp)
+
+
+def accumulates_unsharded(cfg: Config, layout: Layout) -> bool:
+    """Whether FSDP holds gathered parameters and unsharded gradients between microbatches (parallel.
+    accumulate_unsharded; "auto" counts as false here, the mode that always needs less: choose_accumulation
+    settles it for a device). False without FSDP or with one microbatch, where nothing is held."""
+    value = cfg.parallel.accumulate_unsharded
+    return value is True and uses_fsdp(cfg, layout.dp) and microbatches(cfg, layout) > 1
+
+
+def accumulation_bytes(cfg: Config, layout: Layout, rank: int = 0) -> int:
+    """Bytes a rank holds between two microbatches of a step, beyond its parameters and optimizer state.
+    Unsharded accumulation: every FSDP group's gathered parameters (compute dtype) and unsharded gradients (fp32,
+    FSDP's reduce dtype), i.e. (2 + 4) bytes per tensor-parallel-local parameter in bf16 and (4 + 4) in fp32.
+    Otherwise: the sharded fp32 gradients the microbatches accumulate into (under HSDP, FSDP's partial
+    reduce-scatter output of the same size), which the plan counts as grads_bytes_per_gpu."""
+    numel = local_param_count(cfg.model, layout, rank)[0]
+    if not accumulates_unsharded(cfg, layout):
+        return 4 * numel
+    tp_local = local_param_count(cfg.model, Layout(1, 1, layout.tp), rank)[0]
+    return (_compute_bytes(cfg.train.precision) + 4) * tp_local
+
+
 def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     """Bytes per GPU of one rank, by part. Parameters are kept in fp32 (bf16 is a compute dtype), gradients in
-    fp32 with the parameters' local shapes, AdamW state = two fp32 tensors per parameter + a 4-byte step count."""
+    fp32 with the parameters' local shapes, AdamW state = two fp32 tensors per parameter + a 4-byte step count.
+    Unsharded gradient accumulation adds the whole tensor-parallel-local model's gathered parameters and fp32
+    gradients (accumulation_bytes_per_gpu; 0 otherwise)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     numel, n_tensors = local_param_count(m, layout, rank)
     params = 4 * numel
@@ -193,8 +226,12 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
         "activations": acts,
         "logits_bytes_per_gpu": logits_bytes(m, tokens, layout.tp, t.precision or "fp32", t.loss_chunk_tokens),
         "fsdp_buffers_bytes_per_gpu": buffers,
+        "accumulation_bytes_per_gpu": accumulation_bytes(cfg, layout, rank) if accumulates_unsharded(cfg, layout)
+        else 0,
+        "between_microbatches_bytes_per_gpu": accumulation_bytes(cfg, layout, rank),
     }
-    on_gpu = ["activations_bytes_per_gpu", "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu"]
+    on_gpu = ["activations_bytes_per_gpu", "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu",
+              "accumulation_bytes_per_gpu"]
     if not (fsdp and p.fsdp_cpu_offload):
         on_gpu += ["params_bytes_per_gpu", "grads_bytes_per_gpu", "optimizer_bytes_per_gpu"]
     out["total_bytes_per_gpu"] = sum(out[k] for k in on_gpu)
@@ -227,16 +264,17 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     tp: per layer and microbatch, 2 all-reduces forward and 2 backward of the (tokens, H) activations (reduce-
       scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2, plus under SP the all-gathers
       of inputs kept as sequence shards (2 per block, 1 for the LM head); over NVLink; not overlapped.
-    fsdp: all-gathers of the bf16 parameters (forward once, backward once per microbatch with full_shard), one
-      fp32 reduce-scatter of the gradients, and with HSDP an fp32 all-reduce of the gradient shards across
-      replicas; over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with
+    fsdp: all-gathers of the bf16 parameters and fp32 reduce-scatters of the gradients: with unsharded
+      accumulation (or one microbatch) forward gathers once, backward once per microbatch with full_shard, and
+      one reduce-scatter per step; with sharded accumulation every microbatch gathers in forward (and in backward
+      with full_shard) and reduce-scatters; with HSDP one fp32 all-reduce of the gradient shards across replicas; over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with
       compute except the first block's all-gather and the last one's reduce-scatter.
     optimizer: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM.
     per-microbatch overhead: kernel launches and FSDP hooks, per block and microbatch.
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
-    n_micro = t.global_batch_size // (micro * layout.dp)
+    n_micro = microbatches(cfg, layout)
     tokens_rank = t.global_batch_size * t.seq_len / layout.dp  # tokens of this rank's TP group per step
     parts = flops_parts(m, t.seq_len)
     fpt = sum(parts.values())
@@ -256,9 +294,12 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
         params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
         shard_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
         reshard = reshard_after_forward(p)
-        gathers = 1 + (n_micro if reshard is True else 0)
+        if n_micro == 1 or accumulates_unsharded(cfg, layout):
+            gathers, scatters = 1 + (n_micro if reshard is True else 0), 1
+        else:
+            gathers, scatters = n_micro * (2 if reshard is True else 1), n_micro
         fsdp = (gathers * _ring(params_tp * a, layout.dp_shard, shard_bw)
-                + _ring(params_tp * 4, layout.dp_shard, shard_bw))
+                + scatters * _ring(params_tp * 4, layout.dp_shard, shard_bw))
         if not isinstance(reshard, bool):  # backward's all-gathers within groups of N ranks
             group_bw = gpu.nvlink_gbps if reshard * layout.tp <= gpus_per_node else gpu.internode_gbps
             fsdp += n_micro * _ring(params_tp * a, reshard, group_bw)
@@ -301,16 +342,20 @@ def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[C
                 for ac in ("none", "selective", "full"):
                     shard, node = dp // rep, gpus_per_node // tp
                     options = [True, False] + ([node] if 1 < node < shard and shard % node == 0 else [])
-                    for reshard in (options if shard > 1 else [True]):
+                    accumulate = [True, False] if micro * dp < cfg.train.global_batch_size else [False]
+                    for reshard, unsharded in itertools.product(options if shard > 1 else [True], accumulate):
                         c = copy.deepcopy(cfg)
                         c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
                         c.parallel.fsdp_strategy = "shard_grad_op" if reshard is False else "full_shard"
                         c.parallel.reshard_after_forward = reshard
+                        c.parallel.accumulate_unsharded = unsharded
                         c.train.micro_batch_size, c.train.activation_checkpointing, c.train.ac_every = micro, ac, 1
                         try:
                             check_layout(c, (rep, dp // rep, tp), gpus_per_node)
                         except ValueError:
                             continue
+                        if unsharded and not uses_fsdp(c, dp):
+                            continue  # nothing to hold without FSDP: the False row is the same layout
                         yield c
 
 
@@ -329,6 +374,8 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
                      "fsdp_strategy": (("-" if not uses_fsdp(c, layout.dp) else c.parallel.fsdp_strategy
                                         if isinstance(c.parallel.reshard_after_forward, bool)
                                         else f"reshard {c.parallel.reshard_after_forward}")),
+                     "reshard_after_forward": c.parallel.reshard_after_forward,
+                     "accumulate_unsharded": accumulates_unsharded(c, layout),
                      "activation_checkpointing": c.train.activation_checkpointing,
                      "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
     # Equal estimates: the larger micro-batch first, then the smaller memory.
@@ -341,22 +388,53 @@ def gpu_by_name(device_name: str) -> GPU:
     return next((g for key, g in GPUS.items() if key in device_name.lower()), GPUS["h100"])
 
 
-def refuse_if_too_big(cfg: Config, layout: Layout, device_bytes: int, gpus_per_node: int, gpu: GPU,
+def choose_accumulation(cfg: Config, layout: Layout, usable_bytes: int, gpu: GPU, gpus_per_node: int) -> bool:
+    """parallel.accumulate_unsharded for this run: the setting when it is true or false; for auto, true when
+    holding the unsharded model between microbatches fits `usable_bytes` and the step is not slower than with
+    sharded accumulation (it never is: it saves collectives), else false."""
+    value = cfg.parallel.accumulate_unsharded
+    if value != "auto":
+        return bool(value)
+    held, sharded = replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=True)), \
+        replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=False))
+    if not accumulates_unsharded(held, layout):
+        return False
+    fits = memory(held, layout)["total_bytes_per_gpu"] <= usable_bytes
+    faster = (step_time(held, layout, gpu, gpus_per_node)["step_time_s"]
+              <= step_time(sharded, layout, gpu, gpus_per_node)["step_time_s"])
+    return fits and faster
+
+
+def usable_bytes(device) -> int:
+    """What this run may allocate on `device`, now: on a GPU its free memory (cudaMemGetInfo, so the CUDA context
+    and other processes are already out) less RUNTIME_RESERVE_GIB; on the CPU the host's available memory."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free - int(RUNTIME_RESERVE_GIB * GIB)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def refuse_if_too_big(cfg: Config, layout: Layout, usable: int, gpus_per_node: int, gpu: GPU,
                       device_name: str = "this GPU") -> None:
-    """Before anything is allocated: ConfigError (one line) when the planned per-GPU total exceeds what a device of
-    `device_bytes` can hold, naming the planned figure and the fastest layout of this world that fits."""
+    """Before anything is allocated: ConfigError (one line) when the planned per-GPU total exceeds `usable` bytes
+    (usable_bytes of the device), naming the planned figure and the fastest layout of this world that fits."""
     need = memory(cfg, layout)["total_bytes_per_gpu"]
-    usable = device_bytes - int(RESERVED_GIB * GIB)
     if need <= usable:
         return
-    fitted = replace(gpu, memory_gib=device_bytes / GIB)
+    fitted = replace(gpu, memory_gib=usable / GIB + RESERVED_GIB)
     best = rank_layouts(cfg, layout.world, gpus_per_node, fitted, top=1)
     if best:
         b = best[0]
         hint = (f"the planner's fastest layout that fits: --parallel.dp_replicate {b['dp_replicate']} "
                 f"--parallel.dp_shard {b['dp_shard']} --parallel.tp {b['tp']} --train.micro_batch_size "
                 f"{b['micro_batch_size']} --train.activation_checkpointing {b['activation_checkpointing']}"
-                + (f" --parallel.fsdp_strategy {b['fsdp_strategy']}" if b["fsdp_strategy"] != "-" else "")
+                + (f" --parallel.reshard_after_forward {str(b['reshard_after_forward']).lower()} "
+                   f"--parallel.accumulate_unsharded {str(b['accumulate_unsharded']).lower()}"
+                   if b["fsdp_strategy"] != "-" else "")
                 + f" ({b['total_gib']:.1f} GiB)")
     else:
         hint = f"no layout of {layout.world} GPU(s) fits this model and batch: add GPUs or shrink the model"

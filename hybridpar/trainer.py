@@ -29,7 +29,7 @@ from torch.distributed.fsdp import FSDPModule
 from hybridpar.config import Config
 from hybridpar.data.dataset import build_training_data
 from hybridpar.flops import flops_per_token, peak_tflops
-from hybridpar.distributed import dp_rank_size
+from hybridpar.distributed import dp_rank_size, gpus_per_node, set_numerics, world_from_env
 from hybridpar.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger
 from hybridpar.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens, forward_backward_no_pipelining,
@@ -37,6 +37,7 @@ from hybridpar.microbatch import (IGNORE_INDEX, chunked_loss, count_target_token
 from hybridpar.models import count_params
 from hybridpar.optim import build_optimizer, clip_grad_norm
 from hybridpar.parallel import check_layout, parallelize_gpt
+from hybridpar.plan import Layout, choose_accumulation, gpu_by_name, refuse_if_too_big, usable_bytes
 from hybridpar.sampling import generate
 from hybridpar.startup import build_parallel_model
 
@@ -80,9 +81,15 @@ class Trainer:
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = dp_rank_size(mesh)
         self.tp = mesh["tp"].size()
-        gpus_per_node = torch.cuda.device_count() if device.type == "cuda" else None
-        check_layout(cfg, (mesh["dp_replicate"].size(), mesh["dp_shard"].size(), self.tp), gpus_per_node)
+        node_gpus = gpus_per_node(device, world_from_env())
+        layout = Layout(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), self.tp)
+        check_layout(cfg, (layout.dp_replicate, layout.dp_shard, layout.tp), node_gpus)
         cfg.train.precision = resolve_precision(cfg, device)
+        set_numerics(cfg.train.deterministic, cfg.train.tf32)
+        usable = torch.tensor(usable_bytes(device), dtype=torch.int64, device=device)
+        dist.all_reduce(usable, op=dist.ReduceOp.MIN)  # every rank must make the same choices below
+        usable = int(usable)
+        gpu = gpu_by_name(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
 
         # Data first: the tokenizer's vocabulary must fit the model before anything is built.
         self.log = logger  # opened by fit() (or the launcher): constructing a Trainer writes nothing into run_dir
@@ -92,13 +99,12 @@ class Trainer:
         self.tokenizer = self.data.tokenizer
         t = cfg.train
 
-        if device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, before allocating anything
-            from hybridpar.plan import Layout, gpu_by_name, refuse_if_too_big
-
-            name = torch.cuda.get_device_name(device)
-            refuse_if_too_big(cfg, Layout(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), self.tp),
-                              torch.cuda.get_device_properties(device).total_memory, gpus_per_node,
-                              gpu_by_name(name), name)
+        # With the final vocabulary: hold the unsharded model between microbatches only where it fits (auto).
+        cfg.parallel.accumulate_unsharded = choose_accumulation(cfg, layout, usable, gpu, node_gpus or 1)
+        if device.type == "cuda":
+            self._gpu_notes(cfg)
+            if cfg.train.memory_check:  # refuse what cannot fit, before allocating anything
+                refuse_if_too_big(cfg, layout, usable, node_gpus, gpu, torch.cuda.get_device_name(device))
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
         self.model = build_parallel_model(cfg, mesh, device, parallelize, init=init_weights, report=self.say)
@@ -127,6 +133,19 @@ class Trainer:
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    def _gpu_notes(self, cfg: Config) -> None:
+        """What a GPU run should know at start, once."""
+        m = cfg.model
+        if cfg.train.precision == "fp32":
+            self.say("note: fp32 matmuls are strict fp32 (TF32 off)" if not cfg.train.tf32 else
+                     "note: fp32 matmuls use TF32 tensor cores (train.tf32)")
+            if not cfg.train.tf32:
+                self.say("      --train.tf32 true runs them on TF32 tensor cores, several times faster")
+            if m.kv_heads < m.n_heads:
+                self.say(f"note: fp32 grouped-query attention ({m.n_heads} query / {m.kv_heads} key-value heads) "
+                         f"runs CUDA's math attention kernel, which keeps B x heads x T^2 scores for backward (the "
+                         f"planner counts them); bf16 uses the fused kernels")
 
     def say(self, message: str) -> None:
         """A console line from rank 0, through the metrics logger once fit() (or the launcher) has opened it."""
@@ -169,7 +188,8 @@ class Trainer:
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
                                               forward_loss=self.forward_loss, grad_scale=self.grad_scale,
                                               autocast=self.autocast, loss_context=self.loss_context,
-                                              stop_now=self._stop_mid_step)
+                                              stop_now=self._stop_mid_step,
+                                              accumulate_unsharded=self.cfg.parallel.accumulate_unsharded)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip).reshape(()).float()
         stop = torch.full((), float(self.stop_requested), device=self.device)  # a fill kernel, not a host copy
         if dist.get_world_size() > 1:

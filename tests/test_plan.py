@@ -260,3 +260,84 @@ def test_tp_activation_bytes_equal_what_each_rank_saves(tmp_path):
                 est = activation_bytes(cfg.model, 2 * 128, 128, tp=2, sp=sp, precision="fp32", fsdp=False, ac=ac)
                 want = est["layers"] + est["outside_layers"]
                 assert [results[r][family, sp, ac] for r in range(2)] == [want, want], (family, sp, ac, want)
+
+
+def _live_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor storage alive in this process: each storage once, whether Python holds it (found by
+    the garbage collector) or only autograd does (a parameter's .grad, created on first access)."""
+    import gc
+
+    gc.collect()
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    tensors += [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    storages = {}
+    for t in tensors:
+        t = t._local_tensor if hasattr(t, "_local_tensor") else t
+        if t.device.type == "cpu":
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _accumulation_worker(rank: int, world: int, init_file: str, results) -> None:
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridpar.distributed import MESH_AXES
+    from hybridpar.microbatch import forward_backward_no_pipelining
+    from hybridpar.startup import build_parallel_model
+
+    warnings.filterwarnings("ignore")  # gc.get_objects() touches deprecated torch objects
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for degrees, precision, unsharded in ACCUMULATION_CASES:
+            cfg = load_config(["--model.name", "tiny", "--train.precision", precision, "--train.seq_len", "64",
+                               "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+                               "--parallel.dp_replicate", str(degrees[0]), "--parallel.dp_shard", str(degrees[1]),
+                               "--parallel.accumulate_unsharded", str(unsharded).lower()])
+            cfg.check_world(world)
+            model = build_parallel_model(cfg, init_device_mesh("cpu", degrees, mesh_dim_names=MESH_AXES),
+                                         torch.device("cpu"))
+            g = torch.Generator().manual_seed(rank)
+            batches = [tuple(torch.randint(0, 4096, (2, 64), generator=g) for _ in "xy") for _ in range(2)]
+            n_tokens = torch.tensor(256.0)
+            before, held = _live_bytes(model), []
+            forward_backward_no_pipelining(model, batches, n_tokens, torch.device("cpu"),
+                                           accumulate_unsharded=unsharded,
+                                           stop_now=lambda: held.append(_live_bytes(model) - before) and False)
+            results[rank, degrees, precision, unsharded] = held
+            del model
+    finally:
+        dist.destroy_process_group()
+
+
+# (dp_replicate, dp_shard, tp), precision, parallel.accumulate_unsharded: FSDP and HSDP (shard groups of one),
+# fp32 and bf16 (FSDP's mixed precision: bf16 gathered parameters, fp32 unsharded gradients)
+ACCUMULATION_CASES = [(d, p, u) for d in ((1, 2, 1), (2, 1, 1)) for p in ("fp32", "bf16") for u in (True, False)]
+
+
+def test_bytes_held_between_microbatches_equal_the_planner(tmp_path):
+    """On 2 real gloo ranks, after microbatch 1 of 2: every byte alive beyond what the step started with, against
+    the planner's between_microbatches_bytes_per_gpu. Unsharded accumulation holds the whole model gathered with
+    fp32 gradients (8 bytes per parameter in fp32, 6 in bf16); sharded accumulation only the sharded fp32
+    gradients (HSDP: FSDP's partial reduce-scatter output). Besides these, the scheduler holds two fp32 scalars
+    (its loss sum and the microbatch's detached loss)."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_accumulation_worker, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
+    seen = set()
+    for degrees, precision, unsharded in ACCUMULATION_CASES:
+        cfg = load_config(["--model.name", "tiny", "--train.precision", precision, "--train.seq_len", "64",
+                           "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+                           "--parallel.accumulate_unsharded", str(unsharded).lower()])
+        plan = memory(cfg, Layout(*degrees))
+        want = plan["between_microbatches_bytes_per_gpu"]
+        params = plan["params_bytes_per_gpu"]
+        assert want == (params // 4 * (4 + (4 if precision == "fp32" else 2)) * degrees[1] if unsharded else params)
+        assert plan["accumulation_bytes_per_gpu"] == (want if unsharded else 0)
+        got = [results[rank, degrees, precision, unsharded] for rank in range(2)]
+        assert got == [[want + 8], [want + 8]], (degrees, precision, unsharded, got, want)
+        seen.add(want)
+    assert len(seen) == 4  # the cases hold different amounts: the measurement tells them apart
