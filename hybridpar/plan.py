@@ -376,6 +376,7 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
                                         else f"reshard {c.parallel.reshard_after_forward}")),
                      "reshard_after_forward": c.parallel.reshard_after_forward,
                      "accumulate_unsharded": accumulates_unsharded(c, layout),
+                     "microbatches": microbatches(c, layout),
                      "activation_checkpointing": c.train.activation_checkpointing,
                      "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
     # Equal estimates: the larger micro-batch first, then the smaller memory.
@@ -432,9 +433,10 @@ def refuse_if_too_big(cfg: Config, layout: Layout, usable: int, gpus_per_node: i
         hint = (f"the planner's fastest layout that fits: --parallel.dp_replicate {b['dp_replicate']} "
                 f"--parallel.dp_shard {b['dp_shard']} --parallel.tp {b['tp']} --train.micro_batch_size "
                 f"{b['micro_batch_size']} --train.activation_checkpointing {b['activation_checkpointing']}"
-                + (f" --parallel.reshard_after_forward {str(b['reshard_after_forward']).lower()} "
-                   f"--parallel.accumulate_unsharded {str(b['accumulate_unsharded']).lower()}"
+                + (f" --parallel.reshard_after_forward {str(b['reshard_after_forward']).lower()}"
                    if b["fsdp_strategy"] != "-" else "")
+                + (f" --parallel.accumulate_unsharded {str(b['accumulate_unsharded']).lower()}"
+                   if b["fsdp_strategy"] != "-" and b["microbatches"] > 1 else "")
                 + f" ({b['total_gib']:.1f} GiB)")
     else:
         hint = f"no layout of {layout.world} GPU(s) fits this model and batch: add GPUs or shrink the model"

@@ -161,3 +161,75 @@ def test_bf16_wraps_a_single_device_model_in_fsdp():
         assert out.dtype == torch.bfloat16  # compute
     finally:
         dist.destroy_process_group()
+
+
+# Every layout of 4 ranks with each way of accumulating microbatches under FSDP and each AdamW kernel: the for-loop
+# (CPU's default), foreach and fused (CUDA's defaults without and with optim.fused), 2 steps of 2 microbatches.
+KERNELS = {"for-loop": ["--optim.fused", "false", "--optim.foreach", "false"],
+           "foreach": ["--optim.fused", "false", "--optim.foreach", "true"], "fused": ["--optim.fused", "true"]}
+# Each layout with both of CUDA's kernels (unsharded accumulation), and each FSDP layout once more with sharded
+# accumulation (the kernels in turn); (1, 1, 4) has no FSDP, so one way of accumulating. The for-loop kernel with
+# unsharded accumulation is the curve tests' above.
+LAYOUTS_4 = ((1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2))
+UPDATE_CASES = ([(layout, True, kernel) for layout in LAYOUTS_4 for kernel in ("foreach", "fused")]
+                + [(layout, False, kernel) for layout, kernel in zip([l for l in LAYOUTS_4 if l[0] * l[1] > 1],
+                                                                      ["for-loop", "fused", "foreach", "for-loop"])])
+
+
+def _update_worker(rank: int, world: int, init_file: str, cache_dir: str, cases, reference, results) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridpar.distributed import MESH_AXES
+    from hybridpar.startup import plain_name
+    from hybridpar.trainer import Trainer
+
+    torch.set_num_threads(1)  # 4 ranks on the 2 cores of CI: more threads only contend
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for layout, unsharded, kernel in cases:
+            dp = layout[0] * layout[1]
+            cfg = load_config([*COMMON, "--data.cache_dir", cache_dir, "--train.micro_batch_size", str(16 // (2 * dp)),
+                               "--parallel.accumulate_unsharded", str(unsharded).lower(), *KERNELS[kernel]])
+            mesh = init_device_mesh("cpu", layout, mesh_dim_names=MESH_AXES)
+            trainer = Trainer(cfg, mesh, torch.device("cpu"), run_dir=None)
+            assert cfg.parallel.accumulate_unsharded is unsharded
+            for step in range(2):
+                trainer.train_step(step)
+            trainer.settle()
+            weights = {plain_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                       for n, p in trainer.model.named_parameters()}
+            trainer.data.close()
+            if reference is None:
+                results["reference"] = weights
+                continue
+            errors = {n: float((weights[n] - w).norm() / w.norm().clamp_min(1e-12)) for n, w in reference.items()
+                      if not n.endswith(ZERO_GRADIENT)}
+            kernels = {bool(g.get("fused")) + 2 * bool(g.get("foreach")) for g in trainer.optimizer.param_groups}
+            results[rank, layout, unsharded, kernel] = (sorted(weights) == sorted(reference), max(errors.values()),
+                                                        kernels, trainer.skipped_steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_layout_accumulation_mode_and_adamw_kernel_gives_the_single_process_update(tmp_path, cache_dir):
+    """The weights after 2 steps equal one process's (fp32, 1e-5 of each tensor's norm) for every layout, with
+    FSDP accumulating unsharded or sharded, and with the AdamW kernels CUDA picks: under tensor parallelism
+    without FSDP some parameters stay plain tensors beside DTensors, which the fused and foreach kernels take only
+    in separate groups."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Manager().dict()
+    mp.spawn(_update_worker, args=(1, str(tmp_path / "init1"), str(cache_dir), [((1, 1, 1), True, "for-loop")], None,
+                                   results), nprocs=1, join=True)
+    ref = results["reference"]
+    mp.spawn(_update_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), UPDATE_CASES, ref, results), nprocs=4,
+             join=True)
+    for layout, unsharded, kernel in UPDATE_CASES:
+        for rank in range(4):
+            same_names, error, kernels, skipped = results[rank, layout, unsharded, kernel]
+            assert same_names and skipped == 0
+            assert kernels == {{"for-loop": 0, "foreach": 2, "fused": 1}[kernel]}, (layout, kernel, kernels)
+            assert error <= 1e-5, (layout, unsharded, kernel, rank, error)
