@@ -77,7 +77,8 @@ def _compute_bytes(precision: str | None) -> int:
 
 
 def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: bool, precision: str, fsdp: bool,
-                     ac: str, ac_every: int = 1, fused_loss: bool = False) -> dict[str, int]:
+                     ac: str, ac_every: int = 1, fused_loss: bool = False, compile: bool = False,
+                     math_attention: bool = False) -> dict[str, int]:
     """Bytes one microbatch of `tokens` keeps for backward on one rank, by part.
 
     precision/fsdp choose the dtypes: fp32 keeps everything in fp32; bf16 with FSDP (hybridpar's bf16 on any mesh)
@@ -93,6 +94,10 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
       q, k, v after RoPE a*(nh + 2 nkv)*hd/t; attention output a*nh*hd/t (also the input of wo);
       log-sum-exp 4*nh/t; MLP input a*H, a*H/s as the attention's (autocast: 1 copy, or 2 for SwiGLU's gate and up);
       GELU: its input and output a*2F/t; SwiGLU: gate, up, silu(gate), product a*4F/t.
+    Under torch.compile the blocks keep their gathered inputs (the sequence-shard hooks are not applied: compiled
+    graphs would not see through them). math_attention: the unfused attention kernel (what CUDA runs for fp32
+    grouped-query attention) also keeps the softmax probabilities 4*nh*T/t per token and key/value expanded to
+    every query head, a*2(nh - nkv)*hd/t more, and no log-sum-exp.
     Outside the layers: the token ids, the position ids (learned positions) or the RoPE tables, the final norm's
     input and statistics, the LM head's input (not with the fused loss, which keeps gradients instead).
     """
@@ -110,11 +115,12 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
     nh, nkv = m.n_heads / tp, m.kv_heads / tp
     # Under SP without checkpointing, attention and MLP keep their input's sequence shard and gather it again in
     # backward (hybridpar/parallel/sequence_shard.py); so does the LM head whatever the checkpointing.
-    shard = s if (ac == "none" and not autocast) else 1
+    shard = s if (ac == "none" and not autocast and not compile) else 1
     attn_in = a * H * (3 if autocast else 1) / shard
     mlp_in = a * H * (2 if (autocast and m.mlp == "swiglu") else 1) / shard
     inner = a * (4 if m.mlp == "swiglu" else 2) * F / tp
-    layer = (2 * norm() + attn_in + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh + mlp_in + inner) * tokens
+    scores = (4 * nh * seq_len + a * 2 * (nh - nkv) * hd - 4 * nh) if math_attention else 0  # (no log-sum-exp)
+    layer = (2 * norm() + attn_in + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh + mlp_in + inner + scores) * tokens
     block_input = r * H / s * tokens
     # Which layers keep all of the above, and what the checkpointed ones keep instead.
     if ac == "full":
@@ -204,8 +210,11 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
     tokens = micro * t.seq_len
     fused = bool(t.loss_chunk_tokens) and layout.tp == 1
+    # On CUDA, fp32 grouped-query attention has no fused kernel (flash needs 16-bit inputs; the memory-efficient
+    # kernel takes no GQA): SDPA falls back to the math kernel
+    math_attention = (t.precision or "fp32") == "fp32" and m.kv_heads < m.n_heads
     acts = activation_bytes(m, tokens, t.seq_len, layout.tp, p.sequence_parallel, t.precision or "fp32", fsdp,
-                            t.activation_checkpointing, t.ac_every, fused)
+                            t.activation_checkpointing, t.ac_every, fused, t.compile, math_attention)
     buffers = 0
     if fsdp:
         pb = _compute_bytes(t.precision)
@@ -286,7 +295,11 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     act = micro * t.seq_len * m.d_model * a
     # under SP, inputs kept as sequence shards are all-gathered again in backward (attention and MLP of blocks not
     # fully checkpointed, and the LM head): half an all-reduce each
-    regather = (2 * (m.n_layers if t.activation_checkpointing != "full" else 0) + 1) * 0.5 if p.sequence_parallel else 0
+    # (selective checkpointing recomputes them; under compile without checkpointing the blocks keep their inputs
+    # gathered, so only the LM head's)
+    ac = t.activation_checkpointing
+    blocks_regather = m.n_layers if ac == "selective" or (ac == "none" and not t.compile) else 0
+    regather = (2 * blocks_regather + 1) * 0.5 if p.sequence_parallel else 0
     per_micro = (4 * m.n_layers + 2 * ckpt + 2 + regather) * _ring(act, layout.tp, gpu.nvlink_gbps, all_reduce=True)
     tp_comm = n_micro * per_micro
     fsdp = hsdp = exposed = 0.0

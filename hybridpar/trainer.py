@@ -48,6 +48,18 @@ from hybridpar.startup import build_parallel_model
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+def compile_summary() -> str:
+    """torch.compile's work so far, in one line: graphs compiled and graph breaks, with their reasons. Each later
+    recompilation prints its guard failure as it happens (torch._logging recompiles, set at start-up)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    line = f"compile: {counters['stats']['unique_graphs']} graph(s), {sum(breaks.values())} graph break(s)"
+    if breaks:
+        line += " | breaks: " + "; ".join(f"{reason} (x{n})" for reason, n in breaks.most_common(3))
+    return line
+
+
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row."""
 
@@ -86,6 +98,8 @@ class Trainer:
         check_layout(cfg, (layout.dp_replicate, layout.dp_shard, layout.tp), node_gpus)
         cfg.train.precision = resolve_precision(cfg, device)
         set_numerics(cfg.train.deterministic, cfg.train.tf32)
+        if cfg.train.compile and self.rank == 0:
+            torch._logging.set_logs(recompiles=True)  # a recompilation says which guard failed, when it happens
         usable = torch.tensor(usable_bytes(device), dtype=torch.int64, device=device)
         dist.all_reduce(usable, op=dist.ReduceOp.MIN)  # every rank must make the same choices below
         usable = int(usable)
@@ -232,9 +246,18 @@ class Trainer:
         self.stop_voted = self.stop_voted or bool(stop_value)
         return finite
 
+    def _eager(self):
+        """Validation and sampling run the compiled blocks eagerly: under no_grad, and with the sample's growing
+        lengths, each would compile them again (three compilations of every block instead of one)."""
+        return torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext()
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean token loss over the fixed validation batches, all data-parallel ranks together."""
+        with self._eager():
+            return self._evaluate()
+
+    def _evaluate(self) -> float:
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
         for x, y in self.data.valid:
@@ -293,6 +316,8 @@ class Trainer:
                 # The first step of this start is slow (allocations, kernel selection, compile): say it ended.
                 self.say(f"step {self.step}: first step done in {time.perf_counter() - last_time:.1f}s (loss "
                          f"{float(self._dp_sum(loss.clone())):.4f}); next lines every {cfg.logging.interval} steps")
+            if self.step == first_step and t.compile:
+                self.say(compile_summary())
             if profiler is not None and self.step == profile_range[1]:
                 self._stop_profiler(profiler, profile_range)
                 profiler = None
@@ -375,6 +400,7 @@ class Trainer:
 
     def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
         tok = self.tokenizer
-        ids = generate(self.model, tok.encode(prompt), n_tokens, self.cfg.train.seq_len, temperature,
-                       self.device, seed=self.cfg.train.seed, pad_multiple=self.tp)
+        with self._eager():
+            ids = generate(self.model, tok.encode(prompt), n_tokens, self.cfg.train.seq_len, temperature,
+                           self.device, seed=self.cfg.train.seed, pad_multiple=self.tp)
         return tok.decode(ids)

@@ -87,7 +87,14 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device]:
     tflops = trainer.flops_per_token * tps / n / 1e12
     peak = trainer.peak_tflops
     total = sum(timed)
+    from hybridpar.plan import Layout, memory
+
+    layout = Layout(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size())
     result = {
+        "planned_bytes": memory(cfg, layout)["total_bytes_per_gpu"],  # the run's resolved config: what it chose
+        "accumulate_unsharded": cfg.parallel.accumulate_unsharded,
+        "microbatches": cfg.grad_accum_steps(layout.dp),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
         "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / n, "step_time_s": step_time,
         "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
@@ -97,6 +104,16 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device]:
     }
     trainer.data.close()
     return result, device
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Give the cached blocks of a finished measurement back, so the next one starts from an empty device."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def bench_plain(cfg, device: torch.device, warmup: int, steps: int) -> float:
@@ -136,24 +153,31 @@ def cli(argv: list[str]) -> int:
         if a.warmup < 0 or a.steps < 1:
             raise ConfigError(f"--warmup {a.warmup} --steps {a.steps}: need warmup >= 0 and steps >= 1")
         cfg = load_config(rest + ["--logging.wandb.mode", "disabled"])
+        if a.baseline == "plain" and world_from_env().world_size > 1:
+            raise ConfigError("--baseline plain measures one device: run it without torchrun")
         result, device = bench_hybridpar(cfg, a.warmup, a.steps)
+        result.update(model=cfg.model.name, seq_len=cfg.train.seq_len, vocab_size=cfg.model.vocab_size,
+                      global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
+                      precision=cfg.train.precision, compile=cfg.train.compile, torch=torch.__version__,
+                      date=datetime.date.today().isoformat(), warmup=a.warmup, steps=a.steps)
+        _write(result, a.json)  # hybridpar's figures are kept even if the baseline then fails or times out
         if a.baseline == "plain":
-            if dist.get_world_size() > 1:
-                raise ConfigError("--baseline plain measures one device: run it without torchrun")
+            free_device_memory(device)  # the trainer is gone: the baseline starts from an empty device
             result["baseline_tokens_per_sec"] = bench_plain(cfg, device, a.warmup, a.steps)
             result["ratio"] = result["tokens_per_sec"] / result["baseline_tokens_per_sec"]
+            _write(result, a.json)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         shutdown()
-    result.update(model=cfg.model.name, seq_len=cfg.train.seq_len, global_batch_size=cfg.train.global_batch_size,
-                  precision=cfg.train.precision, compile=cfg.train.compile, torch=torch.__version__,
-                  date=datetime.date.today().isoformat(), warmup=a.warmup, steps=a.steps)
     print(json.dumps(result, indent=1))
-    if a.json:
-        a.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def _write(result: dict, path: Path | None) -> None:
+    if path is not None:
+        path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

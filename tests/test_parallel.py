@@ -69,9 +69,10 @@ LAYOUTS = [
     ((1, 2, 2), 4, ["--train.activation_checkpointing", "selective"]),  # SP all-gathers re-run in backward
     ((1, 1, 4), 4, []),
     ((2, 2, 1), 4, ["--train.activation_checkpointing", "selective", "--parallel.fsdp_cpu_offload", "true",
-                    "--parallel.fsdp_strategy", "shard_grad_op"]),
+                    "--parallel.fsdp_strategy", "shard_grad_op", "--parallel.accumulate_unsharded", "false"]),
     ((1, 1, 2), 2, ["--parallel.sequence_parallel", "false"]),
-    ((1, 4, 1), 4, ["--parallel.reshard_after_forward", "2"]),  # FSDP2's int: backward gathers within pairs
+    ((1, 4, 1), 4, ["--parallel.reshard_after_forward", "2", "--parallel.accumulate_unsharded", "false"]),  # FSDP2's
+    #                 int: backward gathers within pairs; each microbatch reduce-scattered
 ]
 
 

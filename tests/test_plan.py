@@ -341,3 +341,27 @@ def test_bytes_held_between_microbatches_equal_the_planner(tmp_path):
         assert got == [[want + 8], [want + 8]], (degrees, precision, unsharded, got, want)
         seen.add(want)
     assert len(seen) == 4  # the cases hold different amounts: the measurement tells them apart
+
+
+@pytest.mark.parametrize("seq", [64, 128])
+def test_math_attention_bytes_equal_what_autograd_saves(seq):
+    """fp32 grouped-query attention runs SDPA's math kernel on CUDA (no fused kernel takes it): forced here on the
+    CPU, its saved bytes (softmax probabilities, growing with T^2, and key/value expanded to every query head)
+    against the planner's math_attention term, which memory() adds for fp32 GQA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = load_config(["--model.name", "tiny", "--train.precision", "fp32", "--train.seq_len", str(seq)] + MODERN_TINY)
+    assert cfg.model.kv_heads < cfg.model.n_heads
+    torch.manual_seed(0)
+    model = build_model(cfg.model, device="cpu")
+    with sdpa_kernel([SDPBackend.MATH]):
+        measured = saved_activation_bytes(model, torch.randint(0, 4096, (2, seq)))
+    est = activation_bytes(cfg.model, 2 * seq, seq, 1, False, "fp32", False, "none", math_attention=True)
+    assert est["layers"] + est["outside_layers"] == measured
+    fused = activation_bytes(cfg.model, 2 * seq, seq, 1, False, "fp32", False, "none")
+    assert measured - fused["layers"] - fused["outside_layers"] > 4 * cfg.model.n_layers * 2 * seq * seq  # probs
+    cfg = load_config(["--model.name", "tiny", "--train.precision", "fp32", "--train.seq_len", str(seq),
+                       "--train.global_batch_size", "2"] + MODERN_TINY)
+    planned = memory(cfg, Layout(1, 1, 1))["activations"]  # the planner counts it for fp32 GQA (fused loss here)
+    assert planned == activation_bytes(cfg.model, 2 * seq, seq, 1, False, "fp32", False, "none", fused_loss=True,
+                                       math_attention=True)
