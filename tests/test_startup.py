@@ -123,3 +123,55 @@ def test_a_layout_that_cannot_fit_is_refused_with_one_that_does():
     with pytest.raises(ConfigError, match="no layout of 1 GPU.s. fits this model and batch"):
         refuse_if_too_big(cfg, Layout(1, 1, 1), 13 * GIB, 1, GPUS["a100"], "a 16 GiB GPU")
     refuse_if_too_big(cfg, Layout(1, 1, 1), 138 * GIB, 1, GPUS["h200"], "H200")  # fits: no error
+
+
+def test_gpu_placement_under_srun_with_one_gpu_bound_per_task(monkeypatch):
+    """srun without torchrun and --gpus-per-task=1: each task sees only its own GPU (CUDA_VISIBLE_DEVICES), so
+    local rank 3 must take device 0, and the node still has 4 GPUs for tensor parallelism. CUDA's getters are
+    patched: this is the launch logic a GPU node runs, on the CPU."""
+    import torch
+
+    from hybridpar.config_cli import load_config
+    from hybridpar.distributed import cuda_index, gpus_per_node, pick_device, process_group_options, world_from_env
+    from hybridpar.errors import ConfigError
+    from hybridpar.parallel import check_layout
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    world = world_from_env({"SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3",
+                            "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "node[1-2]"})
+    assert (world.rank, world.world_size, world.local_rank, world.local_world_size) == (7, 8, 3, 4)
+    device = pick_device("auto", world.local_rank)
+    assert device == torch.device("cuda", 0) and chosen == [0]
+    assert gpus_per_node(device, world) == 4
+    check_layout(load_config(["--parallel.tp", "4"]), (1, 2, 4), gpus_per_node(device, world))  # tp 4 allowed
+    options = process_group_options(load_config([]).parallel, device)
+    assert options["backend"] == "nccl" and options["device_id"] == torch.device("cuda", 0)
+    assert "device_id" not in process_group_options(load_config([]).parallel, torch.device("cpu"))
+    # every GPU of the node visible (torchrun, or srun without binding): the local rank indexes them
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert pick_device("cuda", 3) == torch.device("cuda", 3) and chosen[-1] == 3
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="local rank 3 sees 2 GPUs .*start at most 2 ranks per node"):
+        cuda_index(3)
+
+
+def test_tf32_and_deterministic_settings_reach_torch():
+    import os
+
+    import torch
+
+    from hybridpar.distributed import set_numerics
+
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32)
+    try:
+        set_numerics(deterministic=True, tf32=True)
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cuda.matmul.allow_tf32
+        assert torch.backends.cudnn.allow_tf32 and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        set_numerics(deterministic=False, tf32=False)
+        assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cuda.matmul.allow_tf32 = before[1]
