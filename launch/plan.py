@@ -20,7 +20,7 @@ import sys
 from hybridpar.config_cli import ConfigError, load_config
 from hybridpar.distributed import MESH_AXES, resolve_degrees
 from hybridpar.parallel import check_layout
-from hybridpar.plan import GIB, GPUS, Layout, memory, rank_layouts, step_time
+from hybridpar.plan import GIB, GPUS, Layout, choose_accumulation, memory, rank_layouts, step_time
 
 
 def parse(argv: list[str]):
@@ -61,6 +61,7 @@ def report(a, cfg, layout: Layout) -> dict:
            "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
            "seq_len": cfg.train.seq_len, "precision": cfg.train.precision,
            "activation_checkpointing": cfg.train.activation_checkpointing, "fsdp_strategy": cfg.parallel.fsdp_strategy,
+           "accumulate_unsharded": cfg.parallel.accumulate_unsharded,
            **mem, "usable_bytes_per_gpu": usable, "fits": mem["total_bytes_per_gpu"] <= usable, **est}
     out["ranked"], out["top"] = rank_layouts(cfg, layout.world, a.gpus_per_node, gpu, a.top), a.top
     return out
@@ -71,9 +72,10 @@ def print_report(out: dict) -> None:
     lay = out["layout"]
     print(f"{out['model']} on {out['nodes']} x {out['gpus_per_node']} {out['gpu']} | dp_replicate "
           f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']} | batch {out['global_batch_size']} "
-          f"x {out['seq_len']}, micro {out['micro_batch_size']}, {out['precision']}, AC {out['activation_checkpointing']}")
+          f"x {out['seq_len']}, micro {out['micro_batch_size']}, {out['precision']}, AC {out['activation_checkpointing']}, "
+          f"accumulate_unsharded {out['accumulate_unsharded']}")
     print(f"memory of rank {out['rank']}:")
-    for key in ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "total"):
+    for key in ("params", "grads", "optimizer", "activations", "logits", "fsdp_buffers", "accumulation", "total"):
         print(f"  {key:<13}{g(out[key + '_bytes_per_gpu'])}")
     print(f"  usable       {g(out['usable_bytes_per_gpu'])}  -> {'fits' if out['fits'] else 'DOES NOT FIT'}")
     print(f"step time (estimate) {out['step_time_s']:.3f} s = compute {out['compute_s']:.3f} + TP "
@@ -87,11 +89,13 @@ def print_report(out: dict) -> None:
               f"{g(out['dry_run_optimizer_bytes'])} -> {'equal to the plan' if out['dry_run_matches'] else 'DIFFERS'}")
     if out["ranked"]:
         print("layouts that fit, fastest first (of this world, batch and model):")
-        print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'micro':>5} {'AC':>9} {'FSDP':>13} {'GiB':>7} {'step s':>8} "
-              f"{'tokens/s':>11} {'MFU':>5}")
+        print(f"  {'dp_rep':>6} {'dp_shard':>8} {'tp':>3} {'micro':>5} {'AC':>9} {'FSDP':>13} {'accum':>9} {'GiB':>7} "
+              f"{'step s':>8} {'tokens/s':>11} {'MFU':>5}")
         for r in out["ranked"]:
+            accum = "-" if r["microbatches"] == 1 else ("unsharded" if r["accumulate_unsharded"] else "sharded")
             print(f"  {r['dp_replicate']:>6} {r['dp_shard']:>8} {r['tp']:>3} {r['micro_batch_size']:>5} "
-                  f"{r['activation_checkpointing']:>9} {r['fsdp_strategy']:>13} {r['total_gib']:>7.1f} {r['step_time_s']:>8.3f} "
+                  f"{r['activation_checkpointing']:>9} {r['fsdp_strategy']:>13} {accum:>9} {r['total_gib']:>7.1f} "
+                  f"{r['step_time_s']:>8.3f} "
                   f"{r['tokens_per_sec']:>11,.0f} {r['mfu']:>5.0%}")
     elif out["top"] > 0:
         print("no layout of this world, batch and model fits in memory: add GPUs, or use a smaller model")
@@ -101,6 +105,8 @@ def main(argv: list[str]) -> int:
     try:
         a, cfg, layout = parse(argv)
         cfg.check_world(layout.dp)
+        gpu = GPUS[a.gpu]  # what the trainer settles at start from the device's free memory ("auto")
+        cfg.parallel.accumulate_unsharded = choose_accumulation(cfg, layout, gpu.usable_bytes, gpu, a.gpus_per_node)
         out = report(a, cfg, layout)
         if a.dry_run:
             from hybridpar.dry_run import dry_run

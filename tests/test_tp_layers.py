@@ -81,10 +81,11 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
             for name in real:
                 setattr(dist, name, counting(name))
             counts = []
-            try:
-                for i in range(2):
+            try:  # 1 microbatch, then 2 accumulating unsharded, then 2 accumulating sharded
+                for n, unsharded in ((1, True), (2, True), (2, False)):
                     calls.update(reduce_scatter=0, all_gather=0, all_reduce=0)
-                    forward_backward_no_pipelining(model, [(xb, xb)] * (i + 1), 32, torch.device("cpu"))
+                    forward_backward_no_pipelining(model, [(xb, xb)] * n, 32, torch.device("cpu"),
+                                                   accumulate_unsharded=unsharded)
                     counts.append(dict(calls))
             finally:
                 for name, fn in real.items():
@@ -108,8 +109,10 @@ def test_tp_layers_loss_parallel_and_fsdp_accumulation(tmp_path, monkeypatch):
         assert r["mlp_out"] < 1e-5 and r["mlp_dx"] < 1e-5 and r["mlp_dw0"] < 1e-5 and r["mlp_dw2"] < 1e-5, r
         assert r["w0_local_shape"] == (16, 16)  # each rank holds half of the output columns
         assert r["ce"] < 1e-4 and r["ce_grad"] < 1e-6, r
-        one, two = r["fsdp_counts"]
-        print("fsdp collective counts, 1 vs 2 microbatches:", one, two)
+        one, two, sharded = r["fsdp_counts"]
+        print("fsdp collective counts, 1 vs 2 microbatches (unsharded, sharded):", one, two, sharded)
+        # accumulating sharded, each microbatch is a one-microbatch step: twice its gathers and reduce-scatters
+        assert sharded["reduce_scatter"] == 2 * one["reduce_scatter"] and sharded["all_gather"] == 2 * one["all_gather"]
         # One microbatch: a reduce-scatter per FSDP group (2 blocks + root) ...
         assert one["reduce_scatter"] == 3, one
         # ... and two microbatches reduce-scatter exactly as often (only on the last one), and gather parameters
@@ -118,7 +121,8 @@ def test_tp_layers_loss_parallel_and_fsdp_accumulation(tmp_path, monkeypatch):
         assert two["all_gather"] < 2 * one["all_gather"], (one, two)
         # HSDP with dp_replicate=2: gradients are all-reduced across replicas once per FSDP group, on the last
         # microbatch only.
-        one, two = r["hsdp_counts"]
-        print("hsdp collective counts, 1 vs 2 microbatches:", one, two)
+        one, two, sharded = r["hsdp_counts"]
+        print("hsdp collective counts, 1 vs 2 microbatches (unsharded, sharded):", one, two, sharded)
         assert one["all_reduce"] == 3, one
         assert two["all_reduce"] == 3, two
+        assert sharded["all_reduce"] == 3, sharded  # sharded too: the replicas all-reduce on the last only
