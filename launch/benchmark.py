@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -103,6 +104,7 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device]:
         "world_size": n, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     trainer.data.close()
+    shutil.rmtree(tmp, ignore_errors=True)  # the run dir the trainer was given (nothing is written into it)
     return result, device
 
 
