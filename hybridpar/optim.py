@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -18,15 +20,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW whose weight decay applies to parameters of 2+ dims (linear weights, embeddings) and not to biases or
     norm gains, as in GPT-3 and nanoGPT. Fused kernel for CUDA parameters unless optim.fused says otherwise.
 
-    One param group per (decay, tensor kind): under tensor parallelism without FSDP some parameters stay plain
-    tensors (learned positions, norms without sequence parallelism) beside DTensors, and the fused and foreach
-    kernels take one kind per call. The groups share every hyperparameter but the decay, so the update is the same
-    as with two groups."""
+    One param group per parameter role (its name with the layer index left out: `layers.*.attn.wq.weight`): a
+    role has one tensor kind on every layout (a plain tensor, or DTensors of one mesh and placements), which the
+    fused and foreach kernels need (they refuse a mix, and under tensor parallelism without FSDP some parameters stay
+    plain tensors beside DTensors), and the groups are the same, in the same order, whatever the layout, so a
+    checkpoint's optimizer state loads into any other layout. Every group has the same hyperparameters but the
+    decay: the update is AdamW's with two groups."""
+    from hybridpar.startup import plain_name
+
     groups: dict[tuple, dict] = {}
-    for p in model.parameters():  # each shared (tied) parameter once
+    for name, p in model.named_parameters():  # each shared (tied) parameter once
         if p.requires_grad:
             decay = cfg.weight_decay if p.dim() >= 2 else 0.0
-            groups.setdefault((decay > 0, tensor_kind(p)), {"params": [], "weight_decay": decay})["params"].append(p)
+            role = re.sub(r"^layers\.\d+\.", "layers.*.", plain_name(name))
+            group = groups.setdefault((role, tensor_kind(p)), {"params": [], "weight_decay": decay})
+            group["params"].append(p)
     params = [p for g in groups.values() for p in g["params"]]
     # Where the parameters live decides the kernel: with FSDP CPU offload they (and the step) are on the CPU.
     fused = cfg.fused if cfg.fused is not None else all(p.device.type == "cuda" for p in params)

@@ -142,7 +142,10 @@ def test_keep_last_keeps_the_newest_complete_checkpoints(reference):
     assert [p.name for p in list_checkpoints(reference[0])] == ["step_00000004", "step_00000006", "step_00000008"]
 
 
-@pytest.mark.parametrize("layout", [("1", "4", "1"), ("1", "1", "4")], ids=["r1s4t1", "r1s1t4"])
+# (1, 1, 4) also resumes with the fused AdamW (CUDA's default): the kernel is the resuming run's, not the saved
+# for-loop's, and its param groups (one per parameter role) are the same on every layout.
+@pytest.mark.parametrize("layout", [("1", "4", "1"), ("1", "1", "4", "--optim.fused", "true")],
+                         ids=["r1s4t1", "r1s1t4-fused"])
 def test_resume_into_another_layout_continues_the_curve(layout, tmp_path, cache_dir, tmp_path_factory):
     src = tmp_path_factory.getbasetemp() / "reshard-src"
     if not (src / "metrics.jsonl").exists():  # saved once by the (1,2,2) layout on 4 ranks
@@ -150,11 +153,11 @@ def test_resume_into_another_layout_continues_the_curve(layout, tmp_path, cache_
                        *_args(cache_dir, src, "--parallel.dp_shard", "2", "--parallel.tp", "2")])
         assert out.returncode == 0, out.stderr[-3000:]
     src_losses = loss_curve(src)
-    r, s, t = layout
+    r, s, t, *extra = layout
     run_dir = tmp_path / "resharded"
     out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                    *_args(cache_dir, run_dir, "--checkpoint.load", str(checkpoint_dir(src, 4)),
-                          "--parallel.dp_replicate", r, "--parallel.dp_shard", s, "--parallel.tp", t)])
+                          "--parallel.dp_replicate", r, "--parallel.dp_shard", s, "--parallel.tp", t, *extra)])
     assert out.returncode == 0, out.stderr[-3000:]
     got = loss_curve(run_dir)
     assert sorted(got) == list(range(5, STEPS + 1))
