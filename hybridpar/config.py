@@ -41,7 +41,7 @@ class ParallelConfig:
         "gradients unsharded (fp32) between microbatches, reducing once per step (fewest collectives, about 6 bytes "
         "per tensor-parallel-local parameter in bf16, 8 in fp32); false reduce-scatters and reshards after every "
         "microbatch's backward (under HSDP the cross-replica all-reduce still runs once per step); auto = true "
-        "where the planner says it fits the device's memory and is not slower")
+        "where the planner says it fits the device's free memory")
     timeout_minutes: float = doc(10.0, "collective timeout: a rank that stops answering ends the job after this long")
     fsdp_cpu_offload: bool = doc(False, "keep sharded parameters, gradients and optimizer state in CPU memory "
                                         "(the optimizer step runs on the CPU); for models that do not fit otherwise")

@@ -110,3 +110,15 @@ class MetricsLogger:
             self.tensorboard.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def compile_summary() -> str:
+    """torch.compile's work so far, in one line: graphs compiled and graph breaks, with their reasons. Each later
+    recompilation prints its guard failure as it happens (torch._logging recompiles, set at start-up)."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    line = f"compile: {counters['stats']['unique_graphs']} graph(s), {sum(breaks.values())} graph break(s)"
+    if breaks:
+        line += " | breaks: " + "; ".join(f"{reason} (x{n})" for reason, n in breaks.most_common(3))
+    return line

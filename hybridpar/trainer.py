@@ -31,13 +31,14 @@ from hybridpar.data.dataset import build_training_data
 from hybridpar.flops import flops_per_token, peak_tflops
 from hybridpar.distributed import dp_rank_size, gpus_per_node, set_numerics, world_from_env
 from hybridpar.lr_schedule import lr_at
-from hybridpar.metrics import MetricsLogger
+from hybridpar.metrics import MetricsLogger, compile_summary
 from hybridpar.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens, forward_backward_no_pipelining,
                                   logits_loss)
 from hybridpar.models import count_params
 from hybridpar.optim import build_optimizer, clip_grad_norm
 from hybridpar.parallel import check_layout, parallelize_gpt
-from hybridpar.plan import Layout, choose_accumulation, gpu_by_name, refuse_if_too_big, usable_bytes
+from hybridpar.layouts import choose_accumulation, gpu_by_name, refuse_if_too_big, usable_bytes
+from hybridpar.plan import Layout
 from hybridpar.sampling import generate
 from hybridpar.startup import build_parallel_model
 
@@ -46,18 +47,6 @@ from hybridpar.startup import build_parallel_model
 # (the first all-reduce leaves identical partial sums inside each group), and it happens once per step for the
 # gradient norm, so the warning is noise for hybridpar's layouts.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-
-def compile_summary() -> str:
-    """torch.compile's work so far, in one line: graphs compiled and graph breaks, with their reasons. Each later
-    recompilation prints its guard failure as it happens (torch._logging recompiles, set at start-up)."""
-    from torch._dynamo.utils import counters
-
-    breaks = counters["graph_break"]
-    line = f"compile: {counters['stats']['unique_graphs']} graph(s), {sum(breaks.values())} graph break(s)"
-    if breaks:
-        line += " | breaks: " + "; ".join(f"{reason} (x{n})" for reason, n in breaks.most_common(3))
-    return line
 
 
 class TrainingDiverged(RuntimeError):
@@ -103,7 +92,6 @@ class Trainer:
         usable = torch.tensor(usable_bytes(device), dtype=torch.int64, device=device)
         dist.all_reduce(usable, op=dist.ReduceOp.MIN)  # every rank must make the same choices below
         usable = int(usable)
-        gpu = gpu_by_name(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
 
         # Data first: the tokenizer's vocabulary must fit the model before anything is built.
         self.log = logger  # opened by fit() (or the launcher): constructing a Trainer writes nothing into run_dir
@@ -114,11 +102,12 @@ class Trainer:
         t = cfg.train
 
         # With the final vocabulary: hold the unsharded model between microbatches only where it fits (auto).
-        cfg.parallel.accumulate_unsharded = choose_accumulation(cfg, layout, usable, gpu, node_gpus or 1)
+        cfg.parallel.accumulate_unsharded = choose_accumulation(cfg, layout, usable)
         if device.type == "cuda":
             self._gpu_notes(cfg)
             if cfg.train.memory_check:  # refuse what cannot fit, before allocating anything
-                refuse_if_too_big(cfg, layout, usable, node_gpus, gpu, torch.cuda.get_device_name(device))
+                name = torch.cuda.get_device_name(device)
+                refuse_if_too_big(cfg, layout, usable, node_gpus, gpu_by_name(name), name)
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
         self.model = build_parallel_model(cfg, mesh, device, parallelize, init=init_weights, report=self.say)

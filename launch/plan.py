@@ -20,7 +20,8 @@ import sys
 from hybridpar.config_cli import ConfigError, load_config
 from hybridpar.distributed import MESH_AXES, resolve_degrees
 from hybridpar.parallel import check_layout
-from hybridpar.plan import GIB, GPUS, Layout, choose_accumulation, memory, rank_layouts, step_time
+from hybridpar.layouts import choose_accumulation, rank_layouts
+from hybridpar.plan import GIB, GPUS, Layout, memory, step_time
 
 
 def parse(argv: list[str]):
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> int:
         a, cfg, layout = parse(argv)
         cfg.check_world(layout.dp)
         gpu = GPUS[a.gpu]  # what the trainer settles at start from the device's free memory ("auto")
-        cfg.parallel.accumulate_unsharded = choose_accumulation(cfg, layout, gpu.usable_bytes, gpu, a.gpus_per_node)
+        cfg.parallel.accumulate_unsharded = choose_accumulation(cfg, layout, gpu.usable_bytes)
         out = report(a, cfg, layout)
         if a.dry_run:
             from hybridpar.dry_run import dry_run

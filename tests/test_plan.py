@@ -159,7 +159,8 @@ def test_sequence_parallel_keeps_a_quarter_at_tp4():
 
 
 def test_larger_microbatches_win_when_they_fit():
-    from hybridpar.plan import GPUS, rank_layouts, step_time
+    from hybridpar.layouts import rank_layouts
+    from hybridpar.plan import GPUS, step_time
 
     cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
                        "--train.precision", "bf16"])

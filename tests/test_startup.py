@@ -102,7 +102,8 @@ def test_start_up_memory_per_rank_is_a_shard_not_the_model(tmp_path, cache_dir):
 def test_a_layout_that_cannot_fit_is_refused_with_one_that_does():
     from hybridpar.config_cli import load_config
     from hybridpar.errors import ConfigError
-    from hybridpar.plan import GIB, GPUS, Layout, refuse_if_too_big
+    from hybridpar.layouts import refuse_if_too_big
+    from hybridpar.plan import GIB, GPUS, Layout
 
     cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "8",
                        "--train.micro_batch_size", "8", "--train.precision", "bf16"])

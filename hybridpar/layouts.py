@@ -1,0 +1,135 @@
+"""Which layouts a world allows, ranked by the planner's step time among those that fit; and the choices a starting
+run makes from its device's memory: unsharded or sharded gradient accumulation, and the refusal of a plan that
+cannot fit (naming the fastest layout that does). The byte and time model itself is hybridpar.plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import asdict, replace
+from typing import Iterator
+
+import torch
+
+from hybridpar.config import Config
+from hybridpar.errors import ConfigError
+from hybridpar.parallel import uses_fsdp
+from hybridpar.plan import (GIB, GPU, GPUS, RESERVED_GIB, RUNTIME_RESERVE_GIB, Layout, accumulates_unsharded,
+                            memory, microbatches, step_time)
+
+
+# -- search --------------------------------------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
+    """Every layout of `world` GPUs the config's model and batch allow: tp within a node, dp_replicate across
+    node groups (HSDP), each micro-batch size that divides the per-rank batch, each activation-checkpointing mode,
+    parameters resharded after forward, kept until backward (shard_grad_op), or resharded to a node (FSDP2's int)."""
+    import copy
+
+    from hybridpar.parallel import check_layout
+
+    nodes = max(1, world // gpus_per_node)
+    for tp in _divisors(min(world, gpus_per_node)):
+        dp = world // tp
+        if cfg.train.global_batch_size % dp:
+            continue
+        for rep in [r for r in _divisors(dp) if r <= nodes]:
+            for micro in _divisors(cfg.train.global_batch_size // dp):
+                for ac in ("none", "selective", "full"):
+                    shard, node = dp // rep, gpus_per_node // tp
+                    options = [True, False] + ([node] if 1 < node < shard and shard % node == 0 else [])
+                    accumulate = [True, False] if micro * dp < cfg.train.global_batch_size else [False]
+                    for reshard, unsharded in itertools.product(options if shard > 1 else [True], accumulate):
+                        c = copy.deepcopy(cfg)
+                        c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
+                        c.parallel.fsdp_strategy = "shard_grad_op" if reshard is False else "full_shard"
+                        c.parallel.reshard_after_forward = reshard
+                        c.parallel.accumulate_unsharded = unsharded
+                        c.train.micro_batch_size, c.train.activation_checkpointing, c.train.ac_every = micro, ac, 1
+                        try:
+                            check_layout(c, (rep, dp // rep, tp), gpus_per_node)
+                        except ValueError:
+                            continue
+                        if unsharded and not uses_fsdp(c, dp):
+                            continue  # nothing to hold without FSDP: the False row is the same layout
+                        yield c
+
+
+def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int = 10) -> list[dict]:
+    """The `top` layouts that fit in memory, fastest first."""
+    if top <= 0:
+        return []
+    rows = []
+    for c in candidate_layouts(cfg, world, gpus_per_node):
+        layout = Layout(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp)
+        mem = memory(c, layout)
+        if mem["total_bytes_per_gpu"] > gpu.usable_bytes:
+            continue
+        est = step_time(c, layout, gpu, gpus_per_node)
+        rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,
+                     "fsdp_strategy": (("-" if not uses_fsdp(c, layout.dp) else c.parallel.fsdp_strategy
+                                        if isinstance(c.parallel.reshard_after_forward, bool)
+                                        else f"reshard {c.parallel.reshard_after_forward}")),
+                     "reshard_after_forward": c.parallel.reshard_after_forward,
+                     "accumulate_unsharded": accumulates_unsharded(c, layout),
+                     "microbatches": microbatches(c, layout),
+                     "activation_checkpointing": c.train.activation_checkpointing,
+                     "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
+    # Equal estimates: the larger micro-batch first, then the smaller memory.
+    rows.sort(key=lambda r: (-round(r["tokens_per_sec"], 6), -r["micro_batch_size"], r["total_gib"]))
+    return rows[:top]
+
+
+def gpu_by_name(device_name: str) -> GPU:
+    """The GPUS entry whose key appears in a device name (e.g. "NVIDIA H200" -> h200); h100 figures otherwise."""
+    return next((g for key, g in GPUS.items() if key in device_name.lower()), GPUS["h100"])
+
+
+def choose_accumulation(cfg: Config, layout: Layout, usable_bytes: int) -> bool:
+    """parallel.accumulate_unsharded for this run: the setting when it is true or false; for auto, true when
+    holding the unsharded model between microbatches fits `usable_bytes` (it always saves collectives: one
+    reduce-scatter per step and no re-gather in forward), else false."""
+    value = cfg.parallel.accumulate_unsharded
+    if value != "auto":
+        return bool(value)
+    held = replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=True))
+    return accumulates_unsharded(held, layout) and memory(held, layout)["total_bytes_per_gpu"] <= usable_bytes
+
+
+def usable_bytes(device) -> int:
+    """What this run may allocate on `device`, now: on a GPU its free memory (cudaMemGetInfo, so the CUDA context
+    and other processes are already out) less RUNTIME_RESERVE_GIB; on the CPU the host's available memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free - int(RUNTIME_RESERVE_GIB * GIB)
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def refuse_if_too_big(cfg: Config, layout: Layout, usable: int, gpus_per_node: int, gpu: GPU,
+                      device_name: str = "this GPU") -> None:
+    """Before anything is allocated: ConfigError (one line) when the planned per-GPU total exceeds `usable` bytes
+    (usable_bytes of the device), naming the planned figure and the fastest layout of this world that fits."""
+    need = memory(cfg, layout)["total_bytes_per_gpu"]
+    if need <= usable:
+        return
+    fitted = replace(gpu, memory_gib=usable / GIB + RESERVED_GIB)
+    best = rank_layouts(cfg, layout.world, gpus_per_node, fitted, top=1)
+    if best:
+        b = best[0]
+        hint = (f"the planner's fastest layout that fits: --parallel.dp_replicate {b['dp_replicate']} "
+                f"--parallel.dp_shard {b['dp_shard']} --parallel.tp {b['tp']} --train.micro_batch_size "
+                f"{b['micro_batch_size']} --train.activation_checkpointing {b['activation_checkpointing']}"
+                + (f" --parallel.reshard_after_forward {str(b['reshard_after_forward']).lower()}"
+                   if b["fsdp_strategy"] != "-" else "")
+                + (f" --parallel.accumulate_unsharded {str(b['accumulate_unsharded']).lower()}"
+                   if b["fsdp_strategy"] != "-" and b["microbatches"] > 1 else "")
+                + f" ({b['total_gib']:.1f} GiB)")
+    else:
+        hint = f"no layout of {layout.world} GPU(s) fits this model and batch: add GPUs or shrink the model"
+    raise ConfigError(f"the plan needs {need / GIB:.1f} GiB per GPU but {device_name} has {usable / GIB:.1f} GiB "
+                      f"usable; {hint}; --train.memory_check false starts anyway")
