@@ -5,21 +5,21 @@ site-packages. NVIDIA apex is not used (its fused norms and optimizer would need
 own fused kernels first) and never a dependency: the PyPI package named `apex` is an unrelated project.
 """
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="hybridpar",
     version="0.1.0",
     description="Megatron-style hybrid tensor + data parallel GPT pretraining on PyTorch",
     python_requires=">=3.10",
-    packages=["hybridpar", "hybridpar.data", "hybridpar.parallel", "hybridpar.models"],
+    packages=[*find_packages(include=["hybridpar", "hybridpar.*"]), "hybridpar.models"],
     package_dir={"hybridpar": "hybridpar", "hybridpar.models": "models"},
     install_requires=[
         "torch>=2.6",
         "numpy",
         "einops",
         "pyyaml",
-        "wandb==0.31.*",  # hybridpar.wandb_file reads this version's run-file format
+        "wandb>=0.17",
         "tokenizers>=0.15",
         # The data layer (GPTDataset, BlendedDataset); hybridpar guards its 0.16 failure modes (see
         # hybridpar/data/gpt_data.py) and builds its datasets itself, so the minor version is pinned.
@@ -29,9 +29,9 @@ setup(
         "safetensors",  # consolidated exports (to-torch, load_pretrained)
     ],
     extras_require={
-        # transformers: HF round trips; matplotlib: plot_metrics; tensorboard: the TensorBoard writer;
+        # wandb 0.31: tests/wandb_file.py reads that version's run files; transformers: HF round trips; matplotlib: plot_metrics; tensorboard: the TensorBoard writer;
         # psutil: megatron-core's dist_checkpointing.save, which writes the reference saves of tests/test_megatron.py
-        "test": ["pytest>=7", "pytest-timeout", "transformers", "matplotlib", "tensorboard", "psutil"],
+        "test": ["pytest>=7", "wandb==0.31.*", "pytest-timeout", "transformers", "matplotlib", "tensorboard", "psutil"],
         "hf": ["transformers"],  # launch/convert_checkpoint.py to-hf / from-hf
         "plot": ["matplotlib"],  # launch/plot_metrics.py
         "tensorboard": ["tensorboard"],  # logging.tensorboard

@@ -1,5 +1,5 @@
 """Activation memory kept for backward under each activation-checkpointing mode: measured, and as the planner
-(hybridpar.plan) predicts it.
+(hybridpar.planning.cost) predicts it.
 
 Counts the bytes autograd saves during one forward (saved-tensor hooks, each storage once, parameters excluded;
 a checkpointed block shows up as the input it keeps). Runs on the CPU; the figures are per microbatch.
@@ -13,10 +13,10 @@ import argparse
 
 import torch
 
-from hybridpar.dry_run import saved_activation_bytes
+from hybridpar.planning.dry_run import saved_activation_bytes
 from hybridpar.models import build_model, get_model_config
 from hybridpar.parallel import apply_activation_checkpointing
-from hybridpar.plan import activation_bytes
+from hybridpar.planning.cost import activation_bytes
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hybridpar.config_cli import load_config
+from hybridpar.config.cli import load_config
 from hybridpar.data.corpus import load_builtin_corpus
 from hybridpar.data.dataset import prepare_builtin
-from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets
+from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend
 from hybridpar.data.preprocess import iter_documents, preprocess
 from hybridpar.data.tokenizer import load_tokenizer
 
@@ -54,7 +54,7 @@ def main() -> None:
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
             batches = 60
-            train = build_gpt_datasets(str(tmp / f"out-{a.workers[-1]}"), "99,1,0", (0.99, 0.01, 0.0), a.seq_len, 0,
+            train = build_gpt_datasets(*open_blend(str(tmp / f"out-{a.workers[-1]}")), "99,1,0", (0.99, 0.01, 0.0), a.seq_len, 0,
                                        bpe, 4096, {"train": 32 * batches}, tmp / "cache")["train"]
             loader = GlobalBatchLoader(train, 32, 8, 0, 1, 4096, "train", prefetch=0)
             start = time.perf_counter()

@@ -86,14 +86,13 @@ def sensitivity(_args) -> int:
     sys.argv = [sys.argv[0]]
     import torch
 
-    from hybridpar.config_cli import load_config
-    from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
-    from hybridpar.trainer import Trainer
+    from hybridpar.config.cli import load_config
+    from hybridpar.parallel.distributed import shutdown
+    from hybridpar.trainer import Trainer, start_trainer
 
     cache = Path(tempfile.mkdtemp(prefix="hybridpar-determinism-"))
     cfg = load_config([*ARGS, "--data.cache_dir", str(cache)])
-    device = pick_device("cpu", 0)
-    trainer = Trainer(cfg, init_mesh(cfg.parallel, device, world_from_env()), device, run_dir=None)
+    trainer = start_trainer(cfg)
     (x, y), = trainer.data.train.microbatches(0)
     model = trainer.model
 

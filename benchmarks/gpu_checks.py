@@ -26,15 +26,14 @@ from pathlib import Path
 
 import torch
 
-from hybridpar.config_cli import load_config
-from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
-from hybridpar.trainer import Trainer
+from hybridpar.config.cli import load_config
+from hybridpar.parallel.distributed import shutdown
+from hybridpar.trainer import Trainer, start_trainer
 
 
 def _trainer(overrides: list[str]) -> Trainer:
     cfg = load_config(overrides + ["--logging.wandb.mode", "disabled"])
-    device = pick_device(cfg.train.device, world_from_env().local_rank)
-    return Trainer(cfg, init_mesh(cfg.parallel, device, world_from_env()), device, run_dir=None)
+    return start_trainer(cfg)
 
 
 def check_syncs(overrides: list[str], steps: int = 4) -> dict:

@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from hybridpar.config_cli import load_config
-from hybridpar.dry_run import dry_run
+from hybridpar.config.cli import load_config
+from hybridpar.planning.dry_run import dry_run
 
 
 def whole_model_seconds(name: str) -> float:

@@ -1,5 +1,5 @@
 """Count the compute ops of one transformer block's forward + backward, per zoo family: the planner's estimate of
-kernel launches per block and microbatch (hybridpar/plan.py: KERNELS_PER_BLOCK).
+kernel launches per block and microbatch (hybridpar/planning/cost.py: KERNELS_PER_BLOCK).
 
     python benchmarks/kernels_per_block.py
 

@@ -1,5 +1,6 @@
-"""The trainer: one loop for every layout. It takes a device mesh and a parallelize function; the data loader
-takes the data-parallel rank and size; hooks receive the trainer after each step (checkpointing, extra logging).
+"""The trainer: one loop for every layout. It takes a resolved Run (hybridpar.resolve) and the mesh of its degrees;
+the data loader takes the data-parallel rank and size; hooks receive the trainer after each step (checkpointing,
+extra logging); state_dict() is what a checkpoint keeps of the loop.
 
 Host syncs: none inside a step with the fused AdamW (the default on GPUs): a non-finite gradient norm skips the
 update on the device (the optimizer's found_inf, as with a gradient scaler), and the norm with the ranks' stop votes
@@ -17,30 +18,27 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from hybridpar.config import Config
 from hybridpar.data.dataset import build_training_data
-from hybridpar.flops import flops_per_token, peak_tflops
-from hybridpar.distributed import dp_rank_size, gpus_per_node, set_numerics, world_from_env
-from hybridpar.lr_schedule import lr_at
+from hybridpar.planning.flops import flops_per_token, peak_tflops
+from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, pick_device, set_numerics, start_process_group,
+                                           world_from_env)
+from hybridpar.resolve import Run, resolve
+from hybridpar.training.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger, compile_summary
-from hybridpar.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens, forward_backward_no_pipelining,
+from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens, forward_backward_no_pipelining,
                                   logits_loss)
 from hybridpar.models import count_params
-from hybridpar.optim import build_optimizer, clip_grad_norm
-from hybridpar.parallel import check_layout, parallelize_gpt
-from hybridpar.layouts import choose_accumulation, gpu_by_name, refuse_if_too_big, usable_bytes
-from hybridpar.plan import Layout
-from hybridpar.sampling import generate
-from hybridpar.startup import build_parallel_model
+from hybridpar.training.optim import build_optimizer, clip_grad_norm
+from hybridpar.training.sampling import generate
+from hybridpar.parallel.startup import build_parallel_model
 
 
 # DTensor warns when a norm reduces over two mesh axes with two all-reduces. Every rank still gets the same value
@@ -61,61 +59,56 @@ class Hook(Protocol):
 @dataclass
 class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
-    val_losses: dict[int, float] = field(default_factory=dict)
     unigram_loss: float = float("nan")
     sample: str = ""
     wall_time: float = 0.0
     preempted: bool = False  # stopped early by a signal (after saving, when checkpointing is on)
 
 
-def resolve_precision(cfg: Config, device: torch.device) -> str:
-    if cfg.train.precision is not None:
-        return cfg.train.precision
-    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+def start_trainer(cfg: Config, own_run_dir: bool = False, hooks: list[Hook] = ()) -> "Trainer":
+    """The one start-up path (launch/pretrain_gpt.py, launch/benchmark.py, benchmarks/): this process's world and
+    device, the process group, resolve (hybridpar.resolve), the mesh of its degrees, the Trainer. The model is left
+    uninitialised when the run resumes from a checkpoint (run.load_from): each rank then reads its shards into it."""
+    world = world_from_env()
+    device = pick_device(cfg.train.device, world.local_rank)
+    start_process_group(cfg.parallel, device, world)
+    run = resolve(cfg, world, device, own_run_dir=own_run_dir)
+    try:
+        return Trainer(run, init_mesh(run.layout.degrees, device), hooks, init_weights=run.load_from is None)
+    except BaseException:
+        if run.lock is not None:
+            run.lock.release()
+        raise
 
 
 class Trainer:
-    def __init__(self, cfg: Config, mesh: DeviceMesh, device: torch.device, run_dir: Path,
-                 parallelize: Callable[[nn.Module, DeviceMesh, Config], nn.Module] = parallelize_gpt,
-                 hooks: list[Hook] = (), logger: MetricsLogger | None = None, init_weights: bool = True):
-        self.cfg, self.mesh, self.device, self.run_dir, self.hooks = cfg, mesh, device, run_dir, list(hooks)
+    def __init__(self, run: Run, mesh: DeviceMesh, hooks: list[Hook] = (), init_weights: bool = True):
+        """The loop of a resolved run on its mesh. init_weights=False leaves the shards uninitialised, for a
+        checkpoint to be loaded into."""
+        cfg, device = run.cfg, run.device
+        self.run, self.cfg, self.mesh, self.device, self.run_dir, self.hooks = run, cfg, mesh, device, run.run_dir, \
+            list(hooks)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = dp_rank_size(mesh)
         self.tp = mesh["tp"].size()
-        node_gpus = gpus_per_node(device, world_from_env())
-        layout = Layout(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), self.tp)
-        check_layout(cfg, (layout.dp_replicate, layout.dp_shard, layout.tp), node_gpus)
-        cfg.train.precision = resolve_precision(cfg, device)
         set_numerics(cfg.train.deterministic, cfg.train.tf32)
         if cfg.train.compile and self.rank == 0:
             torch._logging.set_logs(recompiles=True)  # a recompilation says which guard failed, when it happens
-        usable = torch.tensor(usable_bytes(device), dtype=torch.int64, device=device)
-        dist.all_reduce(usable, op=dist.ReduceOp.MIN)  # every rank must make the same choices below
-        usable = int(usable)
-
-        # Data first: the tokenizer's vocabulary must fit the model before anything is built.
-        self.log = logger  # opened by fit() (or the launcher): constructing a Trainer writes nothing into run_dir
-        t0 = time.perf_counter()
-        self.data = build_training_data(cfg, self.dp_rank, self.dp_size, self.tp, pin_memory=device.type == "cuda")
-        self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (tokenizer, indexes, sample order)")
-        self.tokenizer = self.data.tokenizer
-        t = cfg.train
-
-        # With the final vocabulary: hold the unsharded model between microbatches only where it fits (auto).
-        cfg.parallel.accumulate_unsharded = choose_accumulation(cfg, layout, usable)
+        self.log: MetricsLogger | None = None  # opened by fit() (or the launcher): a Trainer writes nothing itself
         if device.type == "cuda":
             self._gpu_notes(cfg)
-            if cfg.train.memory_check:  # refuse what cannot fit, before allocating anything
-                name = torch.cuda.get_device_name(device)
-                refuse_if_too_big(cfg, layout, usable, node_gpus, gpu_by_name(name), name)
+        t0 = time.perf_counter()
+        self.data = build_training_data(run, self.dp_rank, self.dp_size)
+        self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (indexes, sample order)")
+        self.tokenizer = run.tokenizer
+        t = cfg.train
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
-        self.model = build_parallel_model(cfg, mesh, device, parallelize, init=init_weights, report=self.say)
+        self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
                          if cfg.train.precision == "bf16" and not fsdp else nullcontext)
-        self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum
         if self.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
             self.loss_context, self.forward_loss = loss_parallel, logits_loss
@@ -136,6 +129,15 @@ class Trainer:
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    # -- what a checkpoint keeps of the loop (hybridpar.checkpoint.dcp saves and restores it) ------------------
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped": self.skipped_steps,
+                "skip_streak": self.consecutive_skips}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.consumed_samples = int(state["step"]), int(state["consumed_samples"])
+        self.skipped_steps, self.consecutive_skips = int(state["skipped"]), int(state.get("skip_streak", 0))
 
     def _gpu_notes(self, cfg: Config) -> None:
         """What a GPU run should know at start, once."""
@@ -189,7 +191,7 @@ class Trainer:
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
-                                              forward_loss=self.forward_loss, grad_scale=self.grad_scale,
+                                              forward_loss=self.forward_loss,
                                               autocast=self.autocast, loss_context=self.loss_context,
                                               stop_now=self._stop_mid_step,
                                               accumulate_unsharded=self.cfg.parallel.accumulate_unsharded)
@@ -260,7 +262,6 @@ class Trainer:
 
     def _validate(self, result: TrainResult) -> None:
         val = self.evaluate()
-        result.val_losses[self.step] = val
         self.log.log({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
 
     # -- the loop ---------------------------------------------------------------------------------------------
@@ -278,7 +279,7 @@ class Trainer:
             f"split {cfg.data.split}, tokenizer {cfg.data.tokenizer} "
             f"({self.tokenizer.vocab_size} tokens; model vocab {cfg.model.vocab_size})\n"
             f"batch {t.global_batch_size} x {t.seq_len} = {tokens_per_step:,} tokens/step, "
-            f"{cfg.grad_accum_steps(self.dp_size)} microbatch(es) of {t.micro_batch_size} per rank"
+            f"{self.run.microbatches} microbatch(es) of {t.micro_batch_size} per rank"
             + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss)
                else ""))
         hosts = [None] * dist.get_world_size()

@@ -21,17 +21,19 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridpar.config_cli import ConfigError, load_config
-from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
+from hybridpar.config.cli import ConfigError, load_config
+from hybridpar.config import Config
 from hybridpar.metrics import MetricsLogger
 from hybridpar.models import build_model
-from hybridpar.trainer import Trainer
+from hybridpar.parallel.distributed import shutdown
+from hybridpar.trainer import start_trainer
 
 
 class _Marks:
@@ -55,13 +57,13 @@ class _Marks:
         return b - a
 
 
-def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device]:
-    world = world_from_env()
-    device = pick_device(cfg.train.device, world.local_rank)
-    mesh = init_mesh(cfg.parallel, device, world)
+def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, Config]:
+    """The measurement, the device and the resolved config it ran."""
     tmp = Path(tempfile.mkdtemp(prefix="hybridpar-bench-"))
-    cfg.train.steps = max(cfg.train.steps, warmup + steps)
-    trainer = Trainer(cfg, mesh, device, tmp)
+    cfg = replace(cfg, train=replace(cfg.train, steps=max(cfg.train.steps, warmup + steps)),
+                  run=replace(cfg.run, dir=str(tmp)))
+    trainer = start_trainer(cfg)  # the trainer's own start-up path, on a run dir nothing is written into
+    cfg, device, mesh = trainer.cfg, trainer.device, trainer.mesh
     trainer.log = MetricsLogger(cfg, tmp, enabled=False)
     marks = _Marks(device)
     opt_marks: list = []  # (pre, post) per optimizer step
@@ -88,13 +90,13 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device]:
     tflops = trainer.flops_per_token * tps / n / 1e12
     peak = trainer.peak_tflops
     total = sum(timed)
-    from hybridpar.plan import Layout, memory
+    from hybridpar.planning.cost import Layout, memory
 
     layout = Layout(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size())
     result = {
         "planned_bytes": memory(cfg, layout)["total_bytes_per_gpu"],  # the run's resolved config: what it chose
         "accumulate_unsharded": cfg.parallel.accumulate_unsharded,
-        "microbatches": cfg.grad_accum_steps(layout.dp),
+        "microbatches": trainer.run.microbatches,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
         "tokens_per_sec": tps, "tokens_per_sec_per_device": tps / n, "step_time_s": step_time,
         "tflops_per_device": tflops, "mfu": tflops / peak if peak else None,
@@ -105,7 +107,7 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device]:
     }
     trainer.data.close()
     shutil.rmtree(tmp, ignore_errors=True)  # the run dir the trainer was given (nothing is written into it)
-    return result, device
+    return result, device, cfg
 
 
 def free_device_memory(device: torch.device) -> None:
@@ -157,7 +159,7 @@ def cli(argv: list[str]) -> int:
         cfg = load_config(rest + ["--logging.wandb.mode", "disabled"])
         if a.baseline == "plain" and world_from_env().world_size > 1:
             raise ConfigError("--baseline plain measures one device: run it without torchrun")
-        result, device = bench_hybridpar(cfg, a.warmup, a.steps)
+        result, device, cfg = bench_hybridpar(cfg, a.warmup, a.steps)
         result.update(model=cfg.model.name, seq_len=cfg.train.seq_len, vocab_size=cfg.model.vocab_size,
                       global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
                       precision=cfg.train.precision, compile=cfg.train.compile, torch=torch.__version__,

@@ -26,14 +26,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from hybridpar.checkpoint import MARKER, CheckpointError, load_full_model_state, resolve_load_path
+from hybridpar.checkpoint.dcp import MARKER, CheckpointError, load_full_model_state, resolve_load_path
 from hybridpar.errors import UserError
-from hybridpar.resume_checks import read_checkpoint_config
-from hybridpar.safe_load import read_metadata
+from hybridpar.checkpoint.resume_checks import read_checkpoint_config
+from hybridpar.checkpoint.safe_load import read_metadata
 
 
 def _config(ckpt: Path):
-    from hybridpar.config_cli import config_from_dict
+    from hybridpar.config.cli import config_from_dict
 
     saved = read_checkpoint_config(ckpt)
     if saved is None:
@@ -46,7 +46,7 @@ def _write_weights_checkpoint(out: Path, sd: dict, cfg, source: str) -> None:
     the model's tensors as DCP, the config.yaml, and the COMPLETE marker last."""
     import torch.distributed.checkpoint as dcp
 
-    from hybridpar.config_cli import dump_yaml
+    from hybridpar.config.cli import dump_yaml
 
     dcp.save({"model": sd}, checkpoint_id=str(out), no_dist=True)
     (out / "config.yaml").write_text(dump_yaml(cfg))
@@ -67,7 +67,7 @@ def _our_metas(ckpt: Path) -> dict:
 
 
 def to_hf_cmd(a) -> str:
-    from hybridpar.convert import export_hf_tokenizer, family, hf_export_plan, write_safetensors_streaming
+    from hybridpar.interop.hf import export_hf_tokenizer, family, hf_export_plan, write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt).model
@@ -96,7 +96,7 @@ def to_hf_cmd(a) -> str:
 
 def from_hf_cmd(a) -> str:
     from hybridpar.config import Config, TrainConfig
-    from hybridpar.convert import from_hf
+    from hybridpar.interop.hf import from_hf
 
     if not (a.hf / "config.json").is_file():
         raise CheckpointError(f"--hf {a.hf} has no config.json; give a transformers model folder")
@@ -111,8 +111,8 @@ def from_hf_cmd(a) -> str:
 
 
 def from_megatron_cmd(a) -> str:
-    from hybridpar.config_cli import config_from_dict
-    from hybridpar.megatron_ckpt import read_megatron, resolve_iteration_dir, run_settings
+    from hybridpar.config.cli import config_from_dict
+    from hybridpar.interop.megatron import read_megatron, resolve_iteration_dir, run_settings
 
     iter_dir = resolve_iteration_dir(a.megatron, a.iteration)
     _check_out(a.out, a.overwrite)
@@ -131,7 +131,7 @@ def to_megatron_cmd(a) -> str:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hybridpar.megatron_ckpt import megatron_args, to_megatron_state
+    from hybridpar.interop.megatron import megatron_args, to_megatron_state
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt)
@@ -150,7 +150,7 @@ def to_megatron_cmd(a) -> str:
 
 
 def _step_or_zero(ckpt: Path) -> int:
-    from hybridpar.checkpoint import step_of
+    from hybridpar.checkpoint.dcp import step_of
 
     try:
         return step_of(ckpt)
@@ -159,7 +159,7 @@ def _step_or_zero(ckpt: Path) -> int:
 
 
 def to_torch_cmd(a) -> str:
-    from hybridpar.convert import write_safetensors_streaming
+    from hybridpar.interop.hf import write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt).model

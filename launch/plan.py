@@ -17,11 +17,15 @@ import argparse
 import json
 import sys
 
-from hybridpar.config_cli import ConfigError, load_config
-from hybridpar.distributed import MESH_AXES, resolve_degrees
-from hybridpar.parallel import check_layout
-from hybridpar.layouts import choose_accumulation, rank_layouts
-from hybridpar.plan import GIB, GPUS, Layout, memory, step_time
+from dataclasses import replace
+
+import torch
+
+from hybridpar.config.cli import ConfigError, load_config
+from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
+from hybridpar.planning.cost import GIB, GPUS, Layout, memory, step_time
+from hybridpar.planning.layouts import rank_layouts
+from hybridpar.resolve import resolve
 
 
 def parse(argv: list[str]):
@@ -44,11 +48,21 @@ def parse(argv: list[str]):
     if not 0 <= a.rank < world:
         raise ConfigError(f"--rank {a.rank} is outside the world of {world} GPUs; pick 0 <= rank < {world}")
     cfg = load_config(rest)
-    if cfg.train.precision is None:
-        cfg.train.precision = "bf16"  # what the trainer picks on these GPUs
-    degrees = resolve_degrees(cfg.parallel, world)
-    check_layout(cfg, degrees, a.gpus_per_node)
-    return a, cfg, Layout(*degrees)
+    # The model's vocab_size as given (a preset's is padded already); bf16 where unset, as the trainer picks on
+    # these GPUs. Then the trainer's own resolve, for rank a.rank of this world, on this GPU type.
+    cfg = replace(cfg, model=replace(cfg.model, vocab_from_tokenizer=False),
+                  train=replace(cfg.train, precision=cfg.train.precision or "bf16"))
+    world_info = WorldInfo(a.rank, world, a.rank % a.gpus_per_node, a.gpus_per_node)
+    run = resolve(cfg, world_info, torch.device("meta"), tokenizer=_Vocabulary(cfg.model.vocab_size),
+                  gpu=GPUS[a.gpu])
+    return a, run.cfg, run.layout
+
+
+class _Vocabulary:
+    """A tokenizer stand-in for planning without data: only its size."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.spec = vocab_size, f"{vocab_size} tokens"
 
 
 def report(a, cfg, layout: Layout) -> dict:
@@ -105,14 +119,11 @@ def print_report(out: dict) -> None:
 def main(argv: list[str]) -> int:
     try:
         a, cfg, layout = parse(argv)
-        cfg.check_world(layout.dp)
-        gpu = GPUS[a.gpu]  # what the trainer settles at start from the device's free memory ("auto")
-        cfg.parallel.accumulate_unsharded = choose_accumulation(cfg, layout, gpu.usable_bytes)
         out = report(a, cfg, layout)
         if a.dry_run:
-            from hybridpar.dry_run import dry_run
+            from hybridpar.planning.dry_run import dry_run
 
-            d = dry_run(cfg, layout.world, a.rank, a.gpus_per_node)
+            d = dry_run(cfg, layout.world, a.rank)
             out.update({k: d[k] for k in ("dry_run_params_bytes", "dry_run_grads_bytes", "dry_run_optimizer_bytes",
                                           "dry_run_materialized_bytes", "dry_run_init_seconds",
                                           "dry_run_seconds")}, dry_run_coords=d["coords"],

@@ -16,16 +16,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridpar.checkpoint import CheckpointHook, Checkpointer, latest_checkpoint, resolve_load_path
+from hybridpar.checkpoint.dcp import CheckpointHook, Checkpointer
 from hybridpar.config import Config
-from hybridpar.config_cli import dump_yaml, help_text, load_config, to_dict
-from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
-from hybridpar.errors import ConfigError, RunDirError, UserError
+from hybridpar.config.cli import dump_yaml, help_text, load_config, to_dict
+from hybridpar.errors import UserError
 from hybridpar.metrics import MetricsLogger
-from hybridpar.microbatch import StopMidStep
-from hybridpar.resume_checks import read_run_state
-from hybridpar.run_dir import RunDirLock
-from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult
+from hybridpar.parallel.distributed import shutdown
+from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult, start_trainer
+from hybridpar.training.microbatch import StopMidStep
 
 
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/SIGINT after saving: requeue me (EX_TEMPFAIL)
@@ -33,47 +31,6 @@ EXIT_ABORTED = 76  # a second signal arrived while the preemption save was runni
 # Stopped by a signal with nothing saved (checkpoint.interval 0): 128 + the signal's number, the shell's convention
 # for "ended by a signal", so that a requeue wrapper waiting for 75 does not restart the run from step 0.
 PREEMPTED = "PREEMPTED"  # <run.dir>/PREEMPTED: written when the run saved and stopped on a signal
-
-
-def _broadcast(value):
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    return value
-
-
-def lock_run_dir(cfg: Config, rank: int) -> RunDirLock | None:
-    """Fill run.name and run.dir (the same on every rank), then take the run dir's lock on rank 0 before anything
-    reads or writes it. Every rank raises RunDirError if the lock cannot be had."""
-    if cfg.run.name is None:  # stable, so that starting the same command again continues the run
-        cfg.run.name = cfg.model.name
-    if cfg.run.dir is None:
-        cfg.run.dir = str(Path("runs") / cfg.run.name)
-    lock, error = None, None
-    if rank == 0:
-        try:
-            lock = RunDirLock(Path(cfg.run.dir)).acquire()
-        except RunDirError as e:
-            error = str(e)
-    error = _broadcast(error)
-    if error is not None:
-        raise RunDirError(error)
-    return lock
-
-
-def prepare_run_dir(cfg: Config) -> tuple[Path, Path | None]:
-    """Find the checkpoint to start from: checkpoint.load, else the latest complete one in run.dir (auto-resume).
-    A run.dir holding metrics but no checkpoint is not clobbered."""
-    run_dir = Path(cfg.run.dir)
-    if cfg.checkpoint.load:
-        return run_dir, resolve_load_path(cfg.checkpoint.load)
-    latest = latest_checkpoint(run_dir)
-    if latest is None and (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
-        raise ConfigError(f"run.dir={cfg.run.dir!r} already holds a run (metrics.jsonl) without a checkpoint to "
-                          f"continue from (checkpoint.interval 0 saves none); start another run with --run.name NAME, "
-                          f"or replace this one with --run.overwrite true")
-    return run_dir, latest
 
 
 def _keep_metrics_until(path: Path, step: int) -> None:
@@ -122,23 +79,17 @@ class StoppedWithoutCheckpoint(Exception):
 
 def main(cfg: Config) -> TrainResult:
     """Train with `cfg` on the processes the launcher started (one without a launcher)."""
-    world = world_from_env()
-    device = pick_device(cfg.train.device, world.local_rank)
-    mesh = init_mesh(cfg.parallel, device, world)
-    lock = trainer = None
+    run = trainer = None
     try:
-        lock = lock_run_dir(cfg, world.rank)  # a run owns its run dir from here to its exit
-        run_dir, load_from = prepare_run_dir(cfg)
+        # Resolve (every derivation and check; the run dir's lock taken), then mesh, data and model.
+        trainer = start_trainer(cfg, own_run_dir=True)
+        run = trainer.run
+        cfg, run_dir, load_from, device, world = run.cfg, run.run_dir, run.load_from, run.device, run.world
         checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
-        # Weights about to be loaded are not initialised first: each rank reads its shards into the meta-built model.
-        trainer = Trainer(cfg, mesh, device, run_dir, hooks=[CheckpointHook(checkpointer, cfg.checkpoint.interval)],
-                          init_weights=load_from is None)
-        data_changes, run_state = [], {}
+        trainer.hooks.append(CheckpointHook(checkpointer, cfg.checkpoint.interval))
+        data_changes = []
         if load_from is not None:
             data_changes = checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)
-            run_state = read_run_state(load_from)
-            if not cfg.checkpoint.load_weights_only and cfg.logging.wandb.id is None:
-                cfg.logging.wandb.id = run_state.get("wandb_id")
         resumed = trainer.step > 0
         if load_from is not None and not cfg.checkpoint.load_weights_only and trainer.step >= cfg.train.steps:
             if world.rank == 0:  # e.g. the run's own config.yaml passed back: nothing to do, and nothing is touched
@@ -148,7 +99,7 @@ def main(cfg: Config) -> TrainResult:
             trainer.data.close()
             return TrainResult()
         if world.rank == 0:  # only now, with every input checked, does the run write anything
-            lock.keep_dirs()
+            run.lock.keep_dirs()
             if resumed:
                 _keep_metrics_until(run_dir / "metrics.jsonl", trainer.step)
             else:
@@ -160,7 +111,7 @@ def main(cfg: Config) -> TrainResult:
             if load_from is not None:
                 what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"
                 trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples)")
-                was, now = run_state.get("cpu_threads"), torch.get_num_threads()
+                was, now = run.run_state.get("cpu_threads"), torch.get_num_threads()
                 if not cfg.checkpoint.load_weights_only and device.type == "cpu" and was and was != now:
                     trainer.log.print(f"note: {load_from.name} was written by a CPU run with {was} intra-op threads "
                                       f"and this one has {now}: the curve continues to rounding, not bitwise "
@@ -195,8 +146,8 @@ def main(cfg: Config) -> TrainResult:
             dist.barrier()
         return result
     finally:
-        if lock is not None:
-            lock.release()
+        if run is not None and run.lock is not None:
+            run.lock.release()
         trainer = None  # drop the model (and the process groups its DTensors hold) before the groups are destroyed
         shutdown()
 

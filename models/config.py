@@ -19,7 +19,7 @@ def doc(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = doc("tiny", "zoo preset to start from; the other model fields override it")
     n_layers: int = doc(4, "number of transformer blocks")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridpar.dry_run import saved_activation_bytes
+from hybridpar.planning.dry_run import saved_activation_bytes
 from hybridpar.models import build_model, get_model_config
 from hybridpar.parallel import apply_activation_checkpointing
 
@@ -46,7 +46,7 @@ def test_wrapped_parameters_keep_their_names():
 
 
 def test_bad_mode_is_a_config_error():
-    from hybridpar.config_cli import ConfigError, load_config
+    from hybridpar.config.cli import ConfigError, load_config
     with pytest.raises(ConfigError, match="train.activation_checkpointing='some' is not one of none, full, selective"):
         load_config(["--train.activation_checkpointing", "some"])
     with pytest.raises(ValueError, match="train.ac_every=0 must be > 0"):

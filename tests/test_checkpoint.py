@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import ROOT, loss_curve, run_cli, step_rows, user_env
-from hybridpar.checkpoint import (CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints,
+from hybridpar.checkpoint.dcp import (CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints,
                                   load_full_model_state, read_trainer_state, resolve_load_path, step_of)
 
 STEPS = 8

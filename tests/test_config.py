@@ -10,7 +10,7 @@ import yaml
 
 from conftest import ROOT, run_cli
 from hybridpar.config import Config
-from hybridpar.config_cli import ConfigError, all_keys, config_from_dict, dump_yaml, help_text, load_config
+from hybridpar.config.cli import ConfigError, all_keys, config_from_dict, dump_yaml, help_text, load_config
 
 REQUIRED_KEYS = ["model.name", "train.steps", "train.micro_batch_size", "train.global_batch_size", "train.seq_len",
                  "train.seed", "run.dir", "logging.interval", "parallel.tp", "parallel.dp_shard",

@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
-from hybridpar.checkpoint import MARKER, load_full_model_state
+from hybridpar.checkpoint.dcp import MARKER, load_full_model_state
 from hybridpar.config import Config, TrainConfig
-from hybridpar.config_cli import dump_yaml
+from hybridpar.config.cli import dump_yaml
 from hybridpar.models import build_model, get_model_config, load_pretrained
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

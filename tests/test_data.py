@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import run_cli
-from hybridpar.config_cli import load_config
+from hybridpar.config.cli import load_config
 from hybridpar.data.corpus import load_builtin_corpus
 from hybridpar.data.dataset import check_vocab, prepare_builtin, unigram_loss
 from hybridpar.data.indexed import IndexedTokens

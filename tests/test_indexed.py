@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, parse_blend
+from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend, parse_blend
 from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
 from hybridpar.data.tokenizer import ByteTokenizer
 
@@ -66,7 +66,7 @@ def test_megatron_core_files_read_in_hybridpar(tmp_path):
     for i, d in enumerate(docs):
         assert np.array_equal(ours[i], d)
     # ... and they train: megatron-core's GPTDataset over them through hybridpar's checks
-    sets = build_gpt_datasets(str(tmp_path / "theirs"), "80,20,0", (0.8, 0.2, 0.0), 16, 0, ByteTokenizer(), 256,
+    sets = build_gpt_datasets(*open_blend(str(tmp_path / "theirs")), "80,20,0", (0.8, 0.2, 0.0), 16, 0, ByteTokenizer(), 256,
                               {"train": 10, "valid": 4}, tmp_path / "cache")
     sample = sets["train"][0]
     assert sample["tokens"].shape == (16,) and torch.equal(sample["tokens"][1:], sample["labels"][:-1])
@@ -79,7 +79,7 @@ def _tagged(tmp_path, name, n_docs, token, length=20):
 
 def test_blend_proportions_follow_the_weights(tmp_path):
     a, b = _tagged(tmp_path, "a", 200, 7), _tagged(tmp_path, "b", 200, 9)
-    sets = build_gpt_datasets(f"0.7 {a} 0.3 {b}", "100,1,0", (100 / 101, 1 / 101, 0.0), 8, 0, ByteTokenizer(),
+    sets = build_gpt_datasets(*open_blend(f"0.7 {a} 0.3 {b}"), "100,1,0", (100 / 101, 1 / 101, 0.0), 8, 0, ByteTokenizer(),
                               256, {"train": 4000}, tmp_path / "cache")
     train = sets["train"]
     from_a = sum(int((train[i]["tokens"] == 7).any()) for i in range(4000))
@@ -89,7 +89,7 @@ def test_blend_proportions_follow_the_weights(tmp_path):
 def test_splits_are_disjoint(tmp_path):
     docs = [np.full(10, 10 + i) for i in range(100)]  # document i is made of token 10 + i
     prefix = _write(tmp_path / "d", docs)
-    sets = build_gpt_datasets(prefix, "80,20,0", (0.8, 0.2, 0.0), 8, 0, ByteTokenizer(), 256,
+    sets = build_gpt_datasets(*open_blend(prefix), "80,20,0", (0.8, 0.2, 0.0), 8, 0, ByteTokenizer(), 256,
                               {"train": 200, "valid": 50}, tmp_path / "cache")
     seen = {name: set(torch.cat([sets[name][i]["tokens"] for i in range(n)]).tolist())
             for name, n in (("train", 200), ("valid", 50))}
@@ -99,7 +99,7 @@ def test_splits_are_disjoint(tmp_path):
 
 def test_global_order_is_the_same_for_any_dp_and_across_a_resume(tmp_path):
     prefix = _write(tmp_path / "d", _docs(300, seed=2))
-    train = build_gpt_datasets(prefix, "100,1,0", (100 / 101, 1 / 101, 0.0), 16, 5, ByteTokenizer(), 256,
+    train = build_gpt_datasets(*open_blend(prefix), "100,1,0", (100 / 101, 1 / 101, 0.0), 16, 5, ByteTokenizer(), 256,
                                {"train": 8 * 10}, tmp_path / "cache")["train"]
 
     def global_batch(dp, micro, step, loaders):
@@ -159,7 +159,7 @@ def test_bad_data_errors(tmp_path):
         parse_blend(f"0.5 {good} 0.5")
     # An empty split fails fast (megatron-core would loop forever on it).
     with pytest.raises(DataError, match="leaves the valid split of .* empty"):
-        build_gpt_datasets(good, "98,1,1", (0.98, 0.01, 0.01), 8, 0, ByteTokenizer(), 256,
+        build_gpt_datasets(*open_blend(good), "98,1,1", (0.98, 0.01, 0.01), 8, 0, ByteTokenizer(), 256,
                            {"train": 10, "valid": 10}, tmp_path / "cache")
 
 
@@ -167,7 +167,7 @@ def test_index_caches_go_to_the_cache_dir_not_next_to_the_data(tmp_path):
     data_dir = tmp_path / "data"
     prefix = _write(data_dir / "d", _docs(50))
     before = sorted(p.name for p in data_dir.rglob("*"))
-    build_gpt_datasets(prefix, "90,10,0", (0.9, 0.1, 0.0), 8, 0, ByteTokenizer(), 256, {"train": 20, "valid": 5},
+    build_gpt_datasets(*open_blend(prefix), "90,10,0", (0.9, 0.1, 0.0), 8, 0, ByteTokenizer(), 256, {"train": 20, "valid": 5},
                        tmp_path / "cache")
     assert sorted(p.name for p in data_dir.rglob("*")) == before
     assert any((tmp_path / "cache" / "megatron-index").glob("*.npy"))

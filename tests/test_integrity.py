@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from hybridpar.checkpoint import checkpoint_dir, latest_checkpoint, load_full_model_state
+from hybridpar.checkpoint.dcp import checkpoint_dir, latest_checkpoint, load_full_model_state
 from hybridpar.errors import CheckpointError, DataError, RunDirError
-from hybridpar.resume_checks import read_checkpoint_config
-from hybridpar.run_dir import LOCK, RunDirLock
-from hybridpar.safe_load import read_metadata
+from hybridpar.checkpoint.resume_checks import read_checkpoint_config
+from hybridpar.checkpoint.run_dir import LOCK, RunDirLock
+from hybridpar.checkpoint.safe_load import read_metadata
 
 COMMON = ["--train.global_batch_size", "8", "--train.seq_len", "64", "--logging.interval", "1",
           "--train.eval_interval", "0", "--train.sample_tokens", "0", "--train.precision", "fp32",
@@ -142,7 +142,7 @@ def test_poisoned_metadata_is_refused_by_every_reader(kind, trained, tmp_path):
 def test_byte_entries_are_unpickled_with_an_allow_list(trained, tmp_path):
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from hybridpar.safe_load import SafeEmptyLoadPlanner, SafeReader
+    from hybridpar.checkpoint.safe_load import SafeEmptyLoadPlanner, SafeReader
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint_dir(trained, 4), ckpt)
@@ -212,7 +212,7 @@ def test_python_tags_and_damaged_json_are_one_line_errors(trained, tmp_path):
     sys.path.insert(0, str(ROOT / "launch"))
     import convert_checkpoint
 
-    from hybridpar.resume_checks import read_run_state
+    from hybridpar.checkpoint.resume_checks import read_run_state
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint_dir(trained, 4), ckpt)
@@ -433,7 +433,7 @@ def test_no_checkpoint_is_saved_inside_a_non_finite_streak(trained, tmp_path, ca
 
 
 def test_non_finite_settings_are_refused():
-    from hybridpar.config_cli import load_config
+    from hybridpar.config.cli import load_config
     from hybridpar.errors import ConfigError
 
     for value in ("inf", "nan", "-inf"):

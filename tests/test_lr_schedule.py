@@ -7,7 +7,7 @@ import math
 import pytest
 
 from hybridpar.config import OptimConfig
-from hybridpar.lr_schedule import lr_at
+from hybridpar.training.lr_schedule import lr_at
 
 
 def _curve(schedule, steps=100, **kw):

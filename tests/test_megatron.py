@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from hybridpar.checkpoint import load_full_model_state
-from hybridpar.config_cli import config_from_dict
+from hybridpar.checkpoint.dcp import load_full_model_state
+from hybridpar.config.cli import config_from_dict
 from hybridpar.models import build_model
-from hybridpar.resume_checks import read_checkpoint_config
-from hybridpar.safe_load import INERT_CLASSES
+from hybridpar.checkpoint.resume_checks import read_checkpoint_config
+from hybridpar.checkpoint.safe_load import INERT_CLASSES
 
 sys.path.insert(0, str(ROOT / "tests"))
 from megatron_harness import ITERATION, token_ids  # noqa: E402

@@ -9,9 +9,9 @@ import os
 import pytest
 
 from conftest import metrics_rows, run_cli
-from hybridpar.flops import flops_per_token, matmul_params, peak_tflops
+from hybridpar.planning.flops import flops_per_token, matmul_params, peak_tflops
 from hybridpar.models import get_model_config
-from hybridpar.wandb_file import history, run_id
+from wandb_file import history, run_id
 
 FAKE_KEY = "hybridpar-test-key-0123456789abcdef0123"
 ARGS = ["--train.steps", "6", "--train.global_batch_size", "8", "--train.seq_len", "64", "--logging.interval", "2",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import loss_curve, run_cli
-from hybridpar.checkpoint import checkpoint_dir, load_full_model_state
-from hybridpar.config_cli import load_config
-from hybridpar.distributed import resolve_degrees, world_from_env
+from hybridpar.checkpoint.dcp import checkpoint_dir, load_full_model_state
+from hybridpar.config.cli import load_config
+from hybridpar.parallel.distributed import resolve_degrees, world_from_env
 from hybridpar.parallel import check_layout
 
 # Global batch 16 in 2 microbatches per rank for every layout (micro = 16 / (2 x dp)): gradient accumulation 2.
@@ -147,7 +147,7 @@ def test_bf16_wraps_a_single_device_model_in_fsdp():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
-    from hybridpar.distributed import MESH_AXES
+    from hybridpar.parallel.distributed import MESH_AXES
     from hybridpar.models import build_model
     from hybridpar.parallel import parallelize_gpt
 
@@ -182,8 +182,11 @@ def _update_worker(rank: int, world: int, init_file: str, cache_dir: str, cases,
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybridpar.distributed import MESH_AXES
-    from hybridpar.startup import plain_name
+    from dataclasses import replace
+
+    from hybridpar.parallel.distributed import WorldInfo, init_mesh
+    from hybridpar.parallel.startup import plain_name
+    from hybridpar.resolve import resolve
     from hybridpar.trainer import Trainer
 
     torch.set_num_threads(1)  # 4 ranks on the 2 cores of CI: more threads only contend
@@ -193,9 +196,10 @@ def _update_worker(rank: int, world: int, init_file: str, cache_dir: str, cases,
             dp = layout[0] * layout[1]
             cfg = load_config([*COMMON, "--data.cache_dir", cache_dir, "--train.micro_batch_size", str(16 // (2 * dp)),
                                "--parallel.accumulate_unsharded", str(unsharded).lower(), *KERNELS[kernel]])
-            mesh = init_device_mesh("cpu", layout, mesh_dim_names=MESH_AXES)
-            trainer = Trainer(cfg, mesh, torch.device("cpu"), run_dir=None)
-            assert cfg.parallel.accumulate_unsharded is unsharded
+            cfg = replace(cfg, parallel=replace(cfg.parallel, dp_replicate=layout[0], dp_shard=layout[1], tp=layout[2]))
+            run = resolve(cfg, WorldInfo(rank, world, rank, world), torch.device("cpu"))
+            trainer = Trainer(run, init_mesh(run.layout.degrees, run.device))
+            assert run.cfg.parallel.accumulate_unsharded is unsharded
             for step in range(2):
                 trainer.train_step(step)
             trainer.settle()

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from hybridpar.config_cli import load_config
-from hybridpar.dry_run import saved_activation_bytes
+from hybridpar.config.cli import load_config
+from hybridpar.planning.dry_run import saved_activation_bytes
 from hybridpar.models import build_model
 from hybridpar.parallel import apply_activation_checkpointing
-from hybridpar.plan import GIB, activation_bytes, memory
-from hybridpar.shapes import Layout, chunk, local_shapes
+from hybridpar.planning.cost import GIB, activation_bytes, memory
+from hybridpar.planning.shapes import Layout, chunk, local_shapes
 
 _spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
@@ -131,7 +131,7 @@ def test_plan_json_and_ranked_layouts():
 
 
 def test_reshard_to_a_node_sits_between_full_shard_and_keeping_parameters():
-    from hybridpar.plan import GPUS, step_time
+    from hybridpar.planning.cost import GPUS, step_time
 
     argv = ["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
             "--train.micro_batch_size", "1", "--train.precision", "bf16"]
@@ -159,8 +159,8 @@ def test_sequence_parallel_keeps_a_quarter_at_tp4():
 
 
 def test_larger_microbatches_win_when_they_fit():
-    from hybridpar.layouts import rank_layouts
-    from hybridpar.plan import GPUS, step_time
+    from hybridpar.planning.layouts import rank_layouts
+    from hybridpar.planning.cost import GPUS, step_time
 
     cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
                        "--train.precision", "bf16"])
@@ -223,7 +223,7 @@ def _tp_worker(rank: int, world: int, init_file: str, results) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybridpar.distributed import MESH_AXES
+    from hybridpar.parallel.distributed import MESH_AXES
     from hybridpar.parallel import parallelize_gpt
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -285,9 +285,9 @@ def _accumulation_worker(rank: int, world: int, init_file: str, results) -> None
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hybridpar.distributed import MESH_AXES
-    from hybridpar.microbatch import forward_backward_no_pipelining
-    from hybridpar.startup import build_parallel_model
+    from hybridpar.parallel.distributed import MESH_AXES
+    from hybridpar.training.microbatch import forward_backward_no_pipelining
+    from hybridpar.parallel.startup import build_parallel_model
 
     warnings.filterwarnings("ignore")  # gc.get_objects() touches deprecated torch objects
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

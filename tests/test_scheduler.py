@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridpar.microbatch import IGNORE_INDEX, count_target_tokens, forward_backward_no_pipelining, token_loss_sum
+from hybridpar.training.microbatch import IGNORE_INDEX, count_target_tokens, forward_backward_no_pipelining, token_loss_sum
 from hybridpar.models import build_model, get_model_config
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from hybridpar.checkpoint import checkpoint_dir, load_full_model_state, read_trainer_state
+from hybridpar.checkpoint.dcp import checkpoint_dir, load_full_model_state, read_trainer_state
 from hybridpar.models import build_model, count_params, get_model_config
 from hybridpar.models.init import TILE_COLS, TILE_ROWS, keyed_normal_
 
@@ -100,10 +100,10 @@ def test_start_up_memory_per_rank_is_a_shard_not_the_model(tmp_path, cache_dir):
 
 
 def test_a_layout_that_cannot_fit_is_refused_with_one_that_does():
-    from hybridpar.config_cli import load_config
+    from hybridpar.config.cli import load_config
     from hybridpar.errors import ConfigError
-    from hybridpar.layouts import refuse_if_too_big
-    from hybridpar.plan import GIB, GPUS, Layout
+    from hybridpar.planning.layouts import refuse_if_too_big
+    from hybridpar.planning.cost import GIB, GPUS, Layout
 
     cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "8",
                        "--train.micro_batch_size", "8", "--train.precision", "bf16"])
@@ -132,8 +132,8 @@ def test_gpu_placement_under_srun_with_one_gpu_bound_per_task(monkeypatch):
     patched: this is the launch logic a GPU node runs, on the CPU."""
     import torch
 
-    from hybridpar.config_cli import load_config
-    from hybridpar.distributed import cuda_index, gpus_per_node, pick_device, process_group_options, world_from_env
+    from hybridpar.config.cli import load_config
+    from hybridpar.parallel.distributed import cuda_index, gpus_per_node, pick_device, process_group_options, world_from_env
     from hybridpar.errors import ConfigError
     from hybridpar.parallel import check_layout
 
@@ -164,7 +164,7 @@ def test_tf32_and_deterministic_settings_reach_torch():
 
     import torch
 
-    from hybridpar.distributed import set_numerics
+    from hybridpar.parallel.distributed import set_numerics
 
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32)
     try:

@@ -21,7 +21,7 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
         from torch.distributed.tensor import Shard, distribute_tensor
         from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-        from hybridpar.microbatch import forward_backward_no_pipelining
+        from hybridpar.training.microbatch import forward_backward_no_pipelining
         from hybridpar.models import build_model, get_model_config
         from hybridpar.parallel.fsdp import apply_fsdp
         from hybridpar.config import ParallelConfig

@@ -11,7 +11,7 @@ import torch
 from conftest import run_cli
 from hybridpar.config import OptimConfig
 from hybridpar.models import build_model, get_model_config
-from hybridpar.optim import build_optimizer
+from hybridpar.training.optim import build_optimizer
 
 
 def test_weight_decay_applies_to_matrices_only():
@@ -41,7 +41,7 @@ def test_weight_decay_applies_to_matrices_only():
 
 
 def test_data_order_follows_the_seed(cache_dir):
-    from hybridpar.config_cli import load_config
+    from hybridpar.config.cli import load_config
     from hybridpar.data.dataset import build_training_data
 
     def first_batch(seed: int) -> torch.Tensor:
@@ -63,15 +63,13 @@ def test_data_order_follows_the_seed(cache_dir):
 HUGE_STEP = textwrap.dedent("""
     import json, sys
     import torch
-    from hybridpar.config_cli import load_config
-    from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
+    from hybridpar.config.cli import load_config
+    from hybridpar.parallel.distributed import shutdown
     from hybridpar.metrics import MetricsLogger
-    from hybridpar.trainer import Trainer
+    from hybridpar.trainer import Trainer, start_trainer
 
     cfg = load_config(sys.argv[1:])
-    world = world_from_env()
-    device = pick_device("cpu", 0)
-    trainer = Trainer(cfg, init_mesh(cfg.parallel, device, world), device, run_dir=None)
+    trainer = start_trainer(cfg)
     trainer.log = MetricsLogger(cfg, None, enabled=False)
     weight = trainer.model.layers[0].mlp.up.weight
     # One gradient made huge but finite: norm ~1e12 (torch's fp32 norm itself overflows past ~1e19).
@@ -115,13 +113,12 @@ def test_non_finite_step_before_fit_warns_without_a_logger(cache_dir):
 NO_SYNC = textwrap.dedent("""
     import json, sys, threading
     import torch
-    from hybridpar.config_cli import load_config
-    from hybridpar.distributed import init_mesh, pick_device, shutdown, world_from_env
-    from hybridpar.trainer import Trainer
+    from hybridpar.config.cli import load_config
+    from hybridpar.parallel.distributed import shutdown
+    from hybridpar.trainer import Trainer, start_trainer
 
     cfg = load_config(sys.argv[1:])
-    device = pick_device("cpu", 0)
-    trainer = Trainer(cfg, init_mesh(cfg.parallel, device, world_from_env()), device, run_dir=None)
+    trainer = start_trainer(cfg)
     weight = trainer.model.layers[0].mlp.up.weight
     poison = {"on": False}
     weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)

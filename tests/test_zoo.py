@@ -142,7 +142,7 @@ def test_models_package_has_no_distributed_import_and_installs_under_hybridpar(t
 def test_fused_loss_equals_logits_then_cross_entropy(tied):
     """GPT(x, targets) computes the summed loss in token chunks with the gradients made in the same pass: the same
     loss and gradients as logits -> cross_entropy (fp32 here, so to rounding), ignored targets counting zero."""
-    from hybridpar.microbatch import token_loss_sum
+    from hybridpar.training.microbatch import token_loss_sum
 
     torch.manual_seed(0)
     model = build_model(get_model_config("tiny", n_layers=2, tie_embeddings=tied), device="cpu")

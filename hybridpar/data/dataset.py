@@ -11,7 +11,6 @@ data-parallel ranks like a training batch, so its loss is the same number for ev
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +19,9 @@ import numpy as np
 import torch.distributed as dist
 
 from hybridpar.errors import ConfigError
-from hybridpar.config import Config
+from hybridpar.config import DataConfig
 from hybridpar.data.corpus import load_builtin_corpus
-from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, parse_blend, split_ranges
+from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend, parse_blend, split_ranges
 from hybridpar.data.indexed import IndexedTokens, idx_path
 from hybridpar.data.preprocess import preprocess
 from hybridpar.data.tokenizer import load_tokenizer
@@ -30,44 +29,53 @@ from hybridpar.data.tokenizer import load_tokenizer
 UNIGRAM_MAX_TOKENS = 50_000_000  # the unigram baseline reads the data once; skip it for large corpora
 
 
-def prepare_builtin(cfg: Config, cache_dir: Path):
+def _rank_zero_first(build):
+    """build() on rank 0 first, then on the other ranks (they then read what rank 0 cached)."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    if several and dist.get_rank() != 0:
+        dist.barrier()
+    out = build()
+    if several and dist.get_rank() == 0:
+        dist.barrier()
+    return out
+
+
+def load_data_tokenizer(d: DataConfig):
+    """data.tokenizer, loaded once (hybridpar.resolve step 5). train-bpe:N learns from the train split's documents
+    of the built-in corpus, and only there."""
+    if d.path != "builtin":
+        if d.tokenizer.startswith("train-bpe"):
+            raise ConfigError(f"data.tokenizer={d.tokenizer!r} trains on the built-in corpus only; give the tokenizer "
+                              f"your data was preprocessed with (bpe:PATH, gpt2:DIR, sentencepiece:MODEL or bytes)")
+        return load_tokenizer(d.tokenizer)
+    cache_dir = Path(os.path.expanduser(d.cache_dir))
+
+    def build():
+        docs, sha = load_builtin_corpus(cache_dir)
+        n_train = split_ranges(len(docs), d.split_fractions)[0][1]
+        return load_tokenizer(d.tokenizer, docs[:n_train], sha, cache_dir)
+
+    return _rank_zero_first(build)
+
+
+def prepare_builtin(d: DataConfig, tokenizer) -> tuple[str, str]:
     """The built-in corpus as an indexed dataset in the cache (built once per corpus and tokenizer); returns
-    (prefix, tokenizer, description). A trained tokenizer (train-bpe:N) learns from the train split's documents."""
+    (prefix, description)."""
+    cache_dir = Path(os.path.expanduser(d.cache_dir))
     docs, sha = load_builtin_corpus(cache_dir)
-    n_train = split_ranges(len(docs), cfg.data.split_fractions)[0][1]
-    tokenizer = load_tokenizer(cfg.data.tokenizer, docs[:n_train], sha, cache_dir)
     prefix = cache_dir / f"builtin-{sha[:16]}-{tokenizer.fingerprint}"
     if not idx_path(prefix).is_file():
         # Several ranks may get here at once: each writes its own temporary files; the renames are atomic.
         tmp = prefix.with_name(f"{prefix.name}.{os.getpid()}")
-        preprocess(iter(docs), cfg.data.tokenizer, tmp, tokenizer=tokenizer)
+        preprocess(iter(docs), d.tokenizer, tmp, tokenizer=tokenizer)
         for ext in (".bin", ".idx"):
             os.replace(f"{tmp}{ext}", f"{prefix}{ext}")
-    return str(prefix), tokenizer, f"builtin ({len(docs)} documents, sha256 {sha[:12]})"
+    return str(prefix), f"builtin ({len(docs)} documents, sha256 {sha[:12]})"
 
 
-def check_vocab(cfg: Config, tokenizer, tp: int) -> None:
-    """With model.vocab_from_tokenizer, set model.vocab_size to the tokenizer's vocabulary padded up to a multiple
-    of vocab_multiple x tp (Megatron-LM's rule); else check that the given size holds the tokenizer's and divides by
-    tp."""
-    m, need = cfg.model, tokenizer.vocab_size
-    pad = m.vocab_multiple * tp
-    padded = pad * math.ceil(need / pad)
-    if m.vocab_from_tokenizer:
-        m.vocab_size = padded
-        return
-    if m.vocab_size < need:
-        raise ConfigError(f"tokenizer {tokenizer.spec!r} has {need} tokens but model.vocab_size={m.vocab_size}; set "
-                          f"--model.vocab_size {padded}, or leave it out to take the tokenizer's")
-    if m.vocab_size % tp:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} does not divide by parallel.tp={tp}; set "
-                          f"--model.vocab_size {tp * math.ceil(m.vocab_size / tp)}")
-
-
-def unigram_loss(prefix: str, fractions, vocab_size: int) -> float:
+def unigram_loss(data: IndexedTokens, fractions, vocab_size: int) -> float:
     """Cross entropy (nats/token) of the valid split under the train split's unigram distribution (add-one
     smoothed): the loss of a model that ignores context. NaN for corpora over UNIGRAM_MAX_TOKENS."""
-    data = IndexedTokens(prefix)
     if data.n_tokens > UNIGRAM_MAX_TOKENS:
         return float("nan")
     (tb, te), (vb, ve), _ = split_ranges(len(data), fractions)
@@ -110,33 +118,29 @@ class TrainingData:
                 f"pass(es) over the split's {per_pass:,})")
 
 
-def build_training_data(cfg: Config, dp_rank: int, dp_size: int, tp: int, pin_memory: bool = False) -> TrainingData:
-    d, t = cfg.data, cfg.train
-    cache_dir = Path(os.path.expanduser(d.cache_dir))
+def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
+    """The data of a resolved run (hybridpar.resolve.Run), in one straight flow: the run's tokenizer -> the indexed
+    files (the built-in corpus built into the cache first), each opened and checked once -> the blend and splits,
+    parsed once -> megatron-core's sample order -> this rank's loaders."""
+    cfg, tokenizer = run.cfg, run.tokenizer
+    d, t, vocab = cfg.data, cfg.train, cfg.model.vocab_size
     if d.path == "builtin":
-        if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_rank() != 0:
-            dist.barrier()  # rank 0 builds the cached corpus, tokenizer and token files first
-            path, tokenizer, description = prepare_builtin(cfg, cache_dir)
-        else:
-            path, tokenizer, description = prepare_builtin(cfg, cache_dir)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.barrier()
+        path, description = _rank_zero_first(lambda: prepare_builtin(d, tokenizer))
     else:
-        if d.tokenizer.startswith("train-bpe"):
-            raise ConfigError(f"data.tokenizer={d.tokenizer!r} trains on the built-in corpus only; give the tokenizer "
-                             f"your data was preprocessed with (bpe:PATH, gpt2:DIR, sentencepiece:MODEL or bytes)")
-        path, tokenizer = d.path, load_tokenizer(d.tokenizer)
+        path = d.path
         description = " + ".join(f"{w:.2f} x {p}" for w, p in parse_blend(path)) if " " in path.strip() else path
-    check_vocab(cfg, tokenizer, tp)
+    blend, indexes = open_blend(path)
     n_valid = t.eval_batches * t.global_batch_size
-    sets = build_gpt_datasets(path, d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, cfg.model.vocab_size,
-                              {"train": t.steps * t.global_batch_size, "valid": n_valid}, cache_dir)
-    train = GlobalBatchLoader(sets["train"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size,
-                              cfg.model.vocab_size, "train", pin_memory=pin_memory)
+    sets = build_gpt_datasets(blend, indexes, d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, vocab,
+                              {"train": t.steps * t.global_batch_size, "valid": n_valid},
+                              Path(os.path.expanduser(d.cache_dir)))
+    pin = run.device.type == "cuda"
+    train = GlobalBatchLoader(sets["train"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, vocab,
+                              "train", pin_memory=pin)
     valid_loader = GlobalBatchLoader(sets["valid"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size,
-                                     cfg.model.vocab_size, "valid", prefetch=0)
+                                     vocab, "valid", prefetch=0)
     valid = [mb for k in range(t.eval_batches) for mb in valid_loader.load(k)] if t.eval_interval else []
     valid_loader.close()
-    blend = parse_blend(path)
-    unigram = unigram_loss(blend[0][1], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1 else float("nan")
+    unigram = (unigram_loss(indexes[blend[0][1]], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1
+               else float("nan"))
     return TrainingData(tokenizer, train, valid, description, unigram)

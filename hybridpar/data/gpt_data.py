@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.data.indexed import DataError, IndexedTokens
-from hybridpar.microbatch import IGNORE_INDEX
 
 SPLITS = ("train", "valid", "test")
+IGNORE_INDEX = -100  # a target that counts zero in the loss (torch's cross_entropy default)
 SURPLUS = 0.005  # extra samples per blended component, as megatron-core's builder draws
 
 
@@ -56,6 +56,13 @@ def parse_blend(path: str) -> list[tuple[float, str]]:
         pairs.append((weight, prefix))
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
+
+
+def open_blend(path: str) -> tuple[list[tuple[float, str]], dict[str, IndexedTokens]]:
+    """data.path parsed once, and each of its prefixes opened and checked once (missing files, magic, version,
+    dtype code, truncation)."""
+    blend = parse_blend(path)
+    return blend, {prefix: IndexedTokens(prefix) for _, prefix in blend}
 
 
 def split_ranges(n: int, fractions: tuple[float, float, float]) -> list[tuple[int, int]]:
@@ -144,14 +151,14 @@ def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num
     return out
 
 
-def build_gpt_datasets(data_path: str, split: str, fractions: tuple[float, float, float], seq_len: int, seed: int,
-                       tokenizer, vocab_size: int, num_samples: dict[str, int], cache_dir: Path):
-    """The datasets of each requested split ({'train': n, 'valid': m}), checked before megatron-core sees them.
-    Needs torch.distributed initialised (hybridpar's launcher does so even for one process): megatron-core's
-    BlendedDataset asks for the rank."""
-    blend = parse_blend(data_path)
+def build_gpt_datasets(blend: list[tuple[float, str]], indexes: dict[str, IndexedTokens], split: str,
+                       fractions: tuple[float, float, float], seq_len: int, seed: int, tokenizer, vocab_size: int,
+                       num_samples: dict[str, int], cache_dir: Path):
+    """The datasets of each requested split ({'train': n, 'valid': m}) of a parsed blend whose prefixes are open in
+    `indexes`, checked before megatron-core sees them. Needs torch.distributed initialised (hybridpar's launcher
+    does so even for one process): megatron-core's BlendedDataset asks for the rank."""
     for _, prefix in blend:
-        tokens = IndexedTokens(prefix)  # missing files, magic, version, dtype code, truncation
+        tokens = indexes[prefix]
         if len(tokens) == 0:
             raise DataError(f"data.path: {prefix} holds no documents; preprocess some text into it first")
         tokens.check_vocab(vocab_size, tokenizer.vocab_size)

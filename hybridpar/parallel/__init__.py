@@ -27,7 +27,8 @@ from hybridpar.parallel.tensor_parallel import apply_tp
 
 
 def check_layout(cfg: Config, degrees: tuple[int, int, int], gpus_per_node: int | None) -> None:
-    """Every divisibility rule of the layout, with all the factors in the message. Runs before any model exists."""
+    """Every divisibility rule of the layout, with all the factors in the message; hybridpar.resolve runs it with
+    the final vocabulary, before any model exists."""
     dp_replicate, dp_shard, tp = degrees
     m = cfg.model
     if tp > 1:
@@ -41,8 +42,7 @@ def check_layout(cfg: Config, degrees: tuple[int, int, int], gpus_per_node: int 
         if gpus_per_node is not None and tp > gpus_per_node:
             raise ConfigError(f"parallel.tp={tp} exceeds the {gpus_per_node} GPUs of a node; TP needs the fast "
                              f"links inside a node: use tp <= {gpus_per_node} and grow dp_shard instead")
-    check_strategy(cfg.parallel, dp_replicate, dp_shard)
-    cfg.check_world(dp_replicate * dp_shard)
+    check_strategy(cfg.parallel, dp_shard)
 
 
 def uses_fsdp(cfg: Config, dp: int) -> bool:
@@ -71,7 +71,7 @@ def _saved_by_selective() -> frozenset:
     return frozenset(ops)
 
 
-SELECTIVE_OBSERVERS: list[list] = []  # measurement hooks (hybridpar.dry_run): each list collects forward contexts
+SELECTIVE_OBSERVERS: list[list] = []  # measurement hooks (hybridpar.planning.dry_run): each list collects forward contexts
 
 
 def selective_contexts():
@@ -110,7 +110,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, 
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
     """Apply hybridpar's parallelism and memory/speed wrappers to a GPT on the meta device, in place (each rank then
-    materialises only its shards: hybridpar.startup)."""
+    materialises only its shards: hybridpar.parallel.startup)."""
     tp, dp = mesh["tp"].size(), mesh["dp_replicate"].size() * mesh["dp_shard"].size()
     if tp > 1:
         # Blocks keep sequence shards through saved-tensor hooks, which checkpointing (its own hooks) and compile

@@ -2,9 +2,10 @@
 
 The data-parallel mesh is (dp_replicate, dp_shard): with dp_replicate > 1 that is HSDP (parameters sharded within a
 dp_shard group, replicated across groups; gradients reduce-scattered within, all-reduced across); with dp_shard = 1
-it is plain data parallelism (nothing sharded, gradients all-reduced). The strategy says only when parameters are
-resharded: full_shard after each block's forward (all-gathered again for backward), shard_grad_op not until backward
-(more memory, one all-gather less).
+it is plain data parallelism (nothing sharded, gradients all-reduced). parallel.fsdp_strategy picks that layout
+(hybrid_shard, no_shard; hybridpar.parallel.distributed.resolve_degrees) and when parameters are resharded:
+full_shard after each block's forward (all-gathered again for backward), shard_grad_op not until backward (more
+memory, one all-gather less), N to groups of N ranks.
 """
 
 from __future__ import annotations
@@ -24,21 +25,18 @@ def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp_shard"]
 
 
-def check_strategy(cfg: ParallelConfig, dp_replicate: int, dp_shard: int) -> None:
-    n = cfg.reshard_after_forward
-    if not isinstance(n, bool) and isinstance(n, int) and (n <= 1 or n >= dp_shard or dp_shard % n):
-        raise ConfigError(f"parallel.reshard_after_forward={n} must divide parallel.dp_shard={dp_shard} and lie "
-                          f"strictly between 1 and it (the GPUs of a node / tp, typically), or be true or false")
-    if cfg.fsdp_strategy not in ("full_shard", "shard_grad_op"):
-        raise ConfigError(f"parallel.fsdp_strategy={cfg.fsdp_strategy!r}: use full_shard or shard_grad_op; HSDP is "
-                          f"parallel.dp_replicate > 1 and plain data parallelism parallel.dp_shard 1")
+def check_strategy(cfg: ParallelConfig, dp_shard: int) -> None:
+    n = cfg.fsdp_strategy
+    if isinstance(n, int) and (n >= dp_shard or dp_shard % n):
+        raise ConfigError(f"parallel.fsdp_strategy={n} must divide parallel.dp_shard={dp_shard} and lie strictly "
+                          f"between 1 and it (the GPUs of a node / tp, typically), or be full_shard, shard_grad_op, "
+                          f"hybrid_shard or no_shard")
 
 
 def reshard_after_forward(cfg: ParallelConfig) -> bool | int:
-    """What each block keeps after its forward: True (resharded), False (gathered) or N (resharded over N ranks)."""
-    if cfg.reshard_after_forward is not None:
-        return cfg.reshard_after_forward
-    return cfg.fsdp_strategy != "shard_grad_op"
+    """What each block keeps after its forward: True (resharded), False (gathered: shard_grad_op) or N (resharded
+    over groups of N ranks)."""
+    return cfg.fsdp_strategy if isinstance(cfg.fsdp_strategy, int) else cfg.fsdp_strategy != "shard_grad_op"
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool) -> nn.Module:
@@ -58,6 +56,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bo
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     # The root's parameters are needed again right after forward (LM head -> loss -> backward): keep them.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
+    # Each rank's loss is already its share of the global batch's mean (hybridpar.training.microbatch), so the
+    # data-parallel reduction must sum, not average over ranks.
+    for module in [*blocks, model]:
+        module.set_gradient_divide_factor(1.0)
     k = cfg.fsdp_prefetch
     if k > 1:
         for i, block in enumerate(blocks):

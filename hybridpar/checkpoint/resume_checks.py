@@ -37,7 +37,7 @@ DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data
 def data_changes(path: Path, cfg, tokenizer_fingerprint: str | None) -> list[str]:
     """The data-defining settings in which `cfg` differs from checkpoint `path`, as 'field: checkpoint X vs now Y'."""
     saved = read_checkpoint_config(path) or {}
-    from hybridpar.config_cli import to_dict
+    from hybridpar.config.cli import to_dict
 
     now = to_dict(cfg)
     diff = [f"{a}.{b}: checkpoint {saved[a][b]!r} vs now {now[a][b]!r}" for a, b in DATA_FIELDS
@@ -66,7 +66,7 @@ def read_run_state(path: Path) -> dict:
 def check_model_config(path: Path, cfg) -> None:
     """A checkpoint of another architecture fails here, naming the fields that differ."""
     saved = (read_checkpoint_config(path) or {}).get("model", {})
-    from hybridpar.config_cli import to_dict
+    from hybridpar.config.cli import to_dict
 
     now = to_dict(cfg)["model"]
     not_shape = ("dropout", "init_std", "name", "vocab_from_tokenizer", "vocab_multiple")

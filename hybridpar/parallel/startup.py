@@ -56,16 +56,15 @@ def init_sharded_(model: nn.Module, seed: int) -> None:
     model.init_buffers()
 
 
-def build_parallel_model(cfg: Config, mesh: DeviceMesh, device: torch.device,
-                         parallelize: Callable[[nn.Module, DeviceMesh, Config], nn.Module] = parallelize_gpt,
-                         init: bool = True, report: Callable[[str], None] = lambda _: None) -> nn.Module:
+def build_parallel_model(cfg: Config, mesh: DeviceMesh, device: torch.device, init: bool = True,
+                         report: Callable[[str], None] = lambda _: None) -> nn.Module:
     """cfg's model, parallelised over `mesh` on the meta device, then only this rank's shards materialised on
     `device` and (with init) initialised from cfg.train.seed, layout-invariantly. report(line) hears each phase
     with its time as it ends."""
     t0 = time.perf_counter()
-    model = build_model(cfg.model, device="meta", init=False)
+    model = build_model(cfg.model, device="meta")
     t1 = time.perf_counter()
-    model = parallelize(model, mesh, cfg)
+    model = parallelize_gpt(model, mesh, cfg)
     t2 = time.perf_counter()
     report(f"start-up: model built on the meta device in {t1 - t0:.2f}s, parallelised (TP/AC/compile/FSDP "
            f"wrappers) in {t2 - t1:.2f}s")

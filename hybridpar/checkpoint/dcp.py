@@ -7,16 +7,17 @@ state-dict helpers strip FSDP, activation-checkpoint and compile wrappers.
 
 Layout of a run directory:
     <run.dir>/checkpoints/step_00000200/
-        .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": {step, consumed_samples, skipped}}
+        .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": Trainer.state_dict(): step,
+                                        consumed_samples, skipped, skip_streak}
         config.yaml, tokenizer.*        what sampling or resuming needs besides tensors
-        run_state.json                  the W&B run id (a resumed run logs into the same W&B run) and the
-                                        tokenizer's fingerprint (a resume with other data is refused)
+        run_state.json                  the W&B run id (a resumed run logs into the same W&B run), the
+                                        tokenizer's fingerprint (a resume with other data is refused) and a CPU
+                                        run's intra-op thread count (cpu_threads: a bitwise resume needs it)
         COMPLETE                        written by rank 0 after every rank finished: only then does it count
 
 Only tensors and the optimizer's plain hyper-parameters are stored; nothing read back can run code (see
-hybridpar/safe_load.py: an explicit allow-list for DCP's .metadata pickle, weights-only unpickling for byte entries,
-shard names and lengths checked before any read). A checkpoint is used only once COMPLETE
-exists, so a save cut off at any instant leaves the previous checkpoint the latest one. Older checkpoints are
+hybridpar/checkpoint/safe_load.py: an explicit allow-list for DCP's .metadata pickle, weights-only unpickling for
+byte entries, shard names and lengths checked before any read). A checkpoint is used only once COMPLETE exists, so a save cut off at any instant leaves the previous checkpoint the latest one. Older checkpoints are
 deleted only after a newer one is complete. RNG: the trainer re-seeds from (seed, step) at every step, so
 there is no generator state to carry and a resume draws exactly the random numbers the uninterrupted run drew.
 """
@@ -38,8 +39,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from hybridpar.resume_checks import check_model_config, data_changes
-from hybridpar.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader, exceptions_in,
+from hybridpar.checkpoint.resume_checks import check_model_config, data_changes
+from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader, exceptions_in,
                                  read_metadata, unwrap_checkpoint_exception)
 
 STEP_PREFIX = "step_"
@@ -59,7 +60,7 @@ def _local_bytes(state) -> int:
 
 
 def _safe_load(state: dict, path: Path, planner, metadata=None, no_dist: bool = False) -> None:
-    """DCP load of `state` from checkpoint `path` through the safe reader and planner (hybridpar/safe_load.py), the
+    """DCP load of `state` from checkpoint `path` through the safe reader and planner (hybridpar/checkpoint/safe_load.py), the
     metadata read and checked once; our CheckpointErrors come out as themselves, not wrapped per rank by DCP."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -118,11 +119,6 @@ def resolve_load_path(path: str) -> Path:
                           f"one; give <run.dir>/checkpoints/step_XXXXXXXX or <run.dir>")
 
 
-def _trainer_state(step: int, consumed_samples: int, skipped: int, skip_streak: int) -> dict[str, torch.Tensor]:
-    return {"step": torch.tensor(step), "consumed_samples": torch.tensor(consumed_samples),
-            "skipped": torch.tensor(skipped), "skip_streak": torch.tensor(skip_streak)}
-
-
 def _state(model: nn.Module, optimizer, trainer_state: dict, options=None) -> dict:
     """What a checkpoint holds. Before the first optimizer step (a seed checkpoint) AdamW has no state: none is
     saved (asking for it would allocate two zero copies of every shard), and a load starts a fresh optimizer."""
@@ -153,9 +149,8 @@ class Checkpointer:
         if dist.get_rank() == 0 and path.exists():  # a save of this step that was cut off earlier
             shutil.rmtree(path)
         dist.barrier()
-        state = _state(trainer.model, trainer.optimizer,
-                       _trainer_state(step, trainer.consumed_samples, trainer.skipped_steps,
-                                      trainer.consecutive_skips))
+        position = {k: torch.tensor(v) for k, v in {**trainer.state_dict(), "step": step}.items()}
+        state = _state(trainer.model, trainer.optimizer, position)
         self._need_bytes = _local_bytes(state)
         start = time.perf_counter()
         if self.async_save:
@@ -210,7 +205,7 @@ class Checkpointer:
             raise CheckpointError(f"saving checkpoint {path} failed on rank 0 (its error says why)")
 
     def _write_extras_and_prune(self, path: Path, trainer) -> None:
-        from hybridpar.config_cli import dump_yaml
+        from hybridpar.config.cli import dump_yaml
 
         trainer.tokenizer.save(path)
         (path / "config.yaml").write_text(dump_yaml(trainer.cfg))
@@ -270,7 +265,7 @@ class Checkpointer:
         else:
             state = {"model": get_model_state_dict(trainer.model)}
         if not weights_only:
-            state["trainer"] = _trainer_state(0, 0, 0, 0)
+            state["trainer"] = {k: torch.tensor(0) for k in trainer.state_dict()}
             if "trainer.skip_streak" not in saved:  # saved before the streak was kept
                 del state["trainer"]["skip_streak"]
         _safe_load(state, path, SafeLoadPlanner(), metadata)
@@ -286,18 +281,15 @@ class Checkpointer:
                 group.update(kernel)
         if weights_only:
             return []
-        t = state["trainer"]
-        trainer.step, trainer.consumed_samples = int(t["step"]), int(t["consumed_samples"])
-        trainer.skipped_steps = int(t["skipped"])
-        trainer.consecutive_skips = int(t.get("skip_streak", 0))
-        G = trainer.cfg.train.global_batch_size
-        if not with_optim and trainer.step:
-            raise CheckpointError(f"checkpoint {path} is at step {trainer.step} but holds no optimizer state; load it "
+        t = {k: int(v) for k, v in state["trainer"].items()}
+        step, consumed, G = t["step"], t["consumed_samples"], trainer.cfg.train.global_batch_size
+        if not with_optim and step:
+            raise CheckpointError(f"checkpoint {path} is at step {step} but holds no optimizer state; load it "
                                   f"with --checkpoint.load_weights_only true")
-        if trainer.consumed_samples != trainer.step * G:
-            raise CheckpointError(f"checkpoint {path} consumed {trainer.consumed_samples} samples in "
-                                  f"{trainer.step} steps, not {trainer.step} x train.global_batch_size={G}: "
-                                  f"resume with the global batch size it was saved with")
+        if consumed != step * G:
+            raise CheckpointError(f"checkpoint {path} consumed {consumed} samples in {step} steps, not {step} x "
+                                  f"train.global_batch_size={G}: resume with the global batch size it was saved with")
+        trainer.load_state_dict(t)
         return changes
 
 

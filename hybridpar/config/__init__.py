@@ -3,7 +3,7 @@
 Sections: model, parallel, train, optim, data, checkpoint, logging (with logging.wandb), profile, run. Each validates its
 own fields in __post_init__; `Config.__post_init__` checks what spans sections (batch arithmetic, sequence length
 against the model's context). What depends on the world size is checked by hybridpar.parallel.check_layout when the
-mesh is built, still before any model exists. Loading from YAML and the command line lives in hybridpar.config_cli.
+mesh is built, still before any model exists. Loading from YAML and the command line lives in hybridpar.config.cli.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
+from hybridpar.models import get_model_config
 from hybridpar.models.config import ModelConfig, doc
 
 
@@ -20,20 +21,20 @@ def _positive(section: str, **values) -> None:
             raise ValueError(f"{section}.{name}={v} must be > 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     dp_replicate: int = doc(1, "data-parallel replicas (HSDP replicate axis, usually across node groups)")
     dp_shard: int = doc(-1, "data-parallel shards (FSDP axis); -1 fills world / (dp_replicate * tp)")
     tp: int = doc(1, "tensor-parallel degree, inside a node (the innermost mesh axis)")
     backend: Optional[str] = doc(None, "process-group backend; None = nccl on CUDA, gloo on CPU")
     sequence_parallel: bool = doc(True, "shard norms/dropout/residuals along the sequence between TP regions (when tp > 1)")
-    fsdp_strategy: Literal["full_shard", "shard_grad_op"] = doc(
-        "full_shard", "full_shard: each block's parameters resharded after its forward (gathered again for backward); "
-        "shard_grad_op: kept gathered until backward. HSDP and plain DP come from the layout (dp_replicate, dp_shard)")
-    reshard_after_forward: Optional[Union[bool, int]] = doc(
-        None, "after a block's forward, FSDP keeps its parameters: true resharded over dp_shard, false gathered "
-        "until backward, N resharded over groups of N ranks (a divisor of dp_shard other than 1 and dp_shard, e.g. a "
-        "node's GPUs / tp) so backward's all-gather stays inside a group; None = as fsdp_strategy")
+    fsdp_strategy: Union[Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"], int] = doc(
+        "full_shard", "what FSDP shards and when a block's parameters are resharded after its forward: full_shard "
+        "(resharded over dp_shard, gathered again for backward), shard_grad_op (kept gathered until backward), "
+        "hybrid_shard (full_shard inside a node, replicated across nodes: dp_shard = ranks per node / tp unless the "
+        "degrees are given), no_shard (every data-parallel rank holds the whole model: dp_shard 1), or an integer N "
+        "(full_shard whose backward re-gathers from groups of N ranks, a divisor of dp_shard between 1 and it, e.g. "
+        "a node's GPUs / tp)")
     fsdp_prefetch: int = doc(1, "blocks whose parameters are all-gathered ahead of use, in forward and in backward "
                                 "(1 = the next block, FSDP2's own default; 2+ overlaps more, holds more memory)")
     accumulate_unsharded: Union[Literal["auto"], bool] = doc(
@@ -55,11 +56,14 @@ class ParallelConfig:
             raise ValueError("only one of parallel.dp_replicate, dp_shard, tp may be -1")
         if not self.timeout_minutes > 0:
             raise ValueError(f"parallel.timeout_minutes={self.timeout_minutes} must be > 0")
+        if isinstance(self.fsdp_strategy, int) and self.fsdp_strategy < 2:
+            raise ValueError(f"parallel.fsdp_strategy={self.fsdp_strategy}: an integer reshard group must be >= 2 "
+                             f"(or use full_shard, shard_grad_op, hybrid_shard, no_shard)")
         if self.fsdp_prefetch < 1:
             raise ValueError(f"parallel.fsdp_prefetch={self.fsdp_prefetch} must be >= 1 (1 = the next block)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = doc(200, "optimizer steps to run; 0 with checkpoint.interval > 0 writes the initial weights as a "
                           "seed checkpoint (step 0) and stops")
@@ -115,7 +119,7 @@ class TrainConfig:
             raise ValueError("train.grad_clip, eval_interval, sample_tokens and sample_temperature must be >= 0")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = doc(3e-3, "peak learning rate")
     min_lr: float = doc(3e-4, "learning rate at the end of the decay")
@@ -143,7 +147,7 @@ class OptimConfig:
                 raise ValueError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     path: str = doc("builtin", "'builtin' (Python's own documentation), a Megatron .bin/.idx prefix, or a weighted "
                                "blend 'W1 PREFIX1 W2 PREFIX2 ...' (see docs/data.md)")
@@ -168,7 +172,7 @@ class DataConfig:
         return w[0] / sum(w), w[1] / sum(w), w[2] / sum(w)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     interval: int = doc(0, "save a sharded (DCP) checkpoint every this many steps and at the end; 0 = never")
     keep_last: int = doc(2, "complete checkpoints to keep (older ones are deleted once a newer one is complete)")
@@ -187,7 +191,7 @@ class CheckpointConfig:
             raise ValueError("checkpoint.interval must be >= 0 and checkpoint.keep_last >= 1")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WandbConfig:
     mode: Optional[Literal["online", "offline", "disabled"]] = doc(
         None, "W&B mode; None = online when an API key is set (WANDB_API_KEY or `wandb login`), else offline "
@@ -201,7 +205,7 @@ class WandbConfig:
     id: Optional[str] = doc(None, "W&B run id; None = a new one, or the one a resumed checkpoint recorded")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     interval: int = doc(10, "log metrics every this many steps (and at the last step)")
     tensorboard: bool = doc(False, "also write the metrics as TensorBoard events under <run.dir>/tensorboard")
@@ -211,7 +215,7 @@ class LoggingConfig:
         _positive("logging", interval=self.interval)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileConfig:
     steps: Optional[str] = doc(None, "profile steps A-B (e.g. 10-12) with torch.profiler; a Chrome trace per rank "
                                      "goes to <run.dir>/profile/")
@@ -232,7 +236,7 @@ class ProfileConfig:
         return int(a), int(b)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     dir: Optional[str] = doc(None, "run directory (config.yaml, metrics.jsonl, ...); None = runs/<name>")
     name: Optional[str] = doc(None, "run name; None = the --config file's name without .yaml, else model.name (stable: "
@@ -240,9 +244,9 @@ class RunConfig:
     overwrite: bool = doc(False, "allow a run.dir that already holds a run's metrics (they are replaced)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "architecture"})
+    model: ModelConfig = field(default_factory=lambda: get_model_config("tiny"), metadata={"help": "architecture"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "device mesh"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "training loop"})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer and LR schedule"})
@@ -262,20 +266,6 @@ class Config:
                              f"train.micro_batch_size={t.micro_batch_size}")
         if self.optim.schedule == "wsd" and self.optim.decay_steps and self.optim.decay_steps > t.steps:
             raise ValueError(f"optim.decay_steps={self.optim.decay_steps} exceeds train.steps={t.steps}")
-
-    def check_world(self, dp_size: int) -> None:
-        """Batch arithmetic that needs the data-parallel size of the mesh; fills train.micro_batch_size if None."""
-        t = self.train
-        if t.micro_batch_size is None:
-            if t.global_batch_size % dp_size:
-                raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by the "
-                                 f"data-parallel size {dp_size}; use a multiple of {dp_size}")
-            t.micro_batch_size = t.global_batch_size // dp_size
-        if t.global_batch_size % (t.micro_batch_size * dp_size):
-            raise ValueError(
-                f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
-                f"{t.micro_batch_size} x data-parallel size {dp_size}; use a multiple of "
-                f"{t.micro_batch_size * dp_size}")
 
     def grad_accum_steps(self, dp_size: int) -> int:
         """Microbatches per optimizer step on each data-parallel rank."""

@@ -2,13 +2,13 @@
 
 Every byte count here is computed from shapes: the same arithmetic that TP (DTensor Shard placements) and FSDP2
 (dim-0 chunks of the TP-local tensor) apply, so the parameter, gradient and optimizer bytes must equal what the
-real parallelize function produces (`hybridpar.dry_run` checks that, under a fake process group). Activations
+real parallelize function produces (`hybridpar.planning.dry_run` checks that, under a fake process group). Activations
 follow the saved tensors of hybridpar's GPT block with fused (flash) attention; docs/planning.md writes out the
 per-layer terms and how they were checked. The step time is an estimate from FLOPs and link bandwidths, with its
 assumptions listed in GPUS and step_time().
 
-Per-parameter local shapes (which rank holds which piece) live in hybridpar.shapes; the search over layouts, the
-start-up choices and the memory refusal in hybridpar.layouts.
+Per-parameter local shapes (which rank holds which piece) live in hybridpar.planning.shapes; the search over layouts, the
+start-up choices and the memory refusal in hybridpar.planning.layouts.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import math
 from dataclasses import dataclass
 
 from hybridpar.config import Config
-from hybridpar.flops import flops_parts
+from hybridpar.planning.flops import flops_parts
 from hybridpar.models import ModelConfig
 from hybridpar.parallel import uses_fsdp
 from hybridpar.parallel.fsdp import reshard_after_forward
-from hybridpar.shapes import Layout, numel, chunk, local_param_count, param_specs
+from hybridpar.planning.shapes import Layout, numel, chunk, local_param_count, param_specs
 
 GIB = 2 ** 30
 
@@ -176,7 +176,7 @@ def microbatches(cfg: Config, layout: Layout) -> int:
 
 def accumulates_unsharded(cfg: Config, layout: Layout) -> bool:
     """Whether FSDP holds gathered parameters and unsharded gradients between microbatches (parallel.
-    accumulate_unsharded; "auto" counts as false here, the mode that always needs less: hybridpar.layouts.
+    accumulate_unsharded; "auto" counts as false here, the mode that always needs less: hybridpar.planning.layouts.
     choose_accumulation settles it for a device). False without FSDP or with one microbatch, where nothing is held."""
     value = cfg.parallel.accumulate_unsharded
     return value is True and uses_fsdp(cfg, layout.dp) and microbatches(cfg, layout) > 1

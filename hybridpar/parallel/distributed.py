@@ -2,8 +2,8 @@
 
 The mesh has three axes, outermost first: dp_replicate x dp_shard x tp. tp is innermost so that a tensor-parallel
 group is a block of consecutive ranks, i.e. inside one node with its fast links; the data-parallel axes span nodes.
-A single process (no launcher) gets a world of one, with a real gloo process group on an in-memory store, so the
-trainer always runs on a mesh and the single-process path is the distributed path with degrees 1.
+A single process (no launcher) gets a world of one, with a real process group (gloo on the CPU) on an in-memory
+store, so the trainer always runs on a mesh and the single-process path is the distributed path with degrees 1.
 """
 
 from __future__ import annotations
@@ -54,9 +54,26 @@ def slurm_master(env=os.environ) -> tuple[str, str]:
     return hosts[0], str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
 
 
-def resolve_degrees(cfg: ParallelConfig, world_size: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, tp) with a -1 filled in; ValueError listing every factor if they don't multiply."""
-    degrees = [cfg.dp_replicate, cfg.dp_shard, cfg.tp]
+def resolve_degrees(cfg: ParallelConfig, world_size: int, ranks_per_node: int = 1) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, tp): fsdp_strategy's layout where the degrees are left at their defaults
+    (hybrid_shard: dp_shard = ranks per node / tp; no_shard: dp_shard 1), then a -1 filled from the world size.
+    ConfigError listing every factor when they don't multiply out, or when given degrees contradict the name."""
+    degrees, strategy = [cfg.dp_replicate, cfg.dp_shard, cfg.tp], cfg.fsdp_strategy
+    defaults = cfg.dp_replicate == 1 and cfg.dp_shard == -1 and cfg.tp != -1
+    if strategy == "no_shard":
+        if cfg.dp_shard not in (-1, 1):
+            raise ConfigError(f"parallel.fsdp_strategy=no_shard replicates the model on every data-parallel rank, "
+                              f"but parallel.dp_shard={cfg.dp_shard}; drop --parallel.dp_shard or use full_shard")
+        degrees[:2] = [-1, 1] if defaults or cfg.dp_replicate == -1 else [cfg.dp_replicate, 1]
+    elif strategy == "hybrid_shard":
+        if cfg.dp_shard == 1:
+            raise ConfigError("parallel.fsdp_strategy=hybrid_shard shards inside a node, but parallel.dp_shard=1 "
+                              "shards nothing; use no_shard, or drop --parallel.dp_shard")
+        if defaults:
+            if ranks_per_node % cfg.tp:
+                raise ConfigError(f"parallel.fsdp_strategy=hybrid_shard shards over a node's ranks / tp, but "
+                                  f"parallel.tp={cfg.tp} does not divide the {ranks_per_node} ranks per node")
+            degrees[:2] = [-1, ranks_per_node // cfg.tp]
     if -1 in degrees:
         known = 1
         for d in degrees:
@@ -120,18 +137,22 @@ def set_numerics(deterministic: bool, tf32: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
 
 
-def init_mesh(cfg: ParallelConfig, device: torch.device, world: WorldInfo) -> DeviceMesh:
-    """Start the process group (if not started) and build the 3-axis mesh."""
-    degrees = resolve_degrees(cfg, world.world_size)
-    if not dist.is_initialized():
-        options = process_group_options(cfg, device)
-        if world.world_size == 1 and "MASTER_ADDR" not in os.environ:
-            dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
-        else:
-            if "MASTER_ADDR" not in os.environ and "SLURM_JOB_NODELIST" in os.environ:  # srun without torchrun
-                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = slurm_master()
-            dist.init_process_group(rank=world.rank, world_size=world.world_size, **options)
-    return init_device_mesh(device.type, degrees, mesh_dim_names=MESH_AXES)
+def start_process_group(cfg: ParallelConfig, device: torch.device, world: WorldInfo) -> None:
+    """Start the default process group (once): an in-memory store for a world of one without a launcher."""
+    if dist.is_initialized():
+        return
+    options = process_group_options(cfg, device)
+    if world.world_size == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
+        return
+    if "MASTER_ADDR" not in os.environ and "SLURM_JOB_NODELIST" in os.environ:  # srun without torchrun
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = slurm_master()
+    dist.init_process_group(rank=world.rank, world_size=world.world_size, **options)
+
+
+def init_mesh(degrees: tuple[int, int, int], device: torch.device) -> DeviceMesh:
+    """The 3-axis mesh (dp_replicate, dp_shard, tp) over the started process group."""
+    return init_device_mesh(device.type, tuple(degrees), mesh_dim_names=MESH_AXES)
 
 
 def process_group_options(cfg: ParallelConfig, device: torch.device) -> dict:

@@ -15,7 +15,7 @@ its K head, then its V head (hd rows each). RoPE rotates the two halves of each 
 hybridpar rotates interleaved pairs, so Q and K rows are permuted between the conventions (as for Llama).
 `apply_layernorm_1p` stores norm gains minus one.
 
-Nothing here runs code from the files: DCP metadata through hybridpar.safe_load's checked reader, `.pt` files through
+Nothing here runs code from the files: DCP metadata through hybridpar.checkpoint.safe_load's checked reader, `.pt` files through
 torch's weights-only unpickler with `argparse.Namespace` allowed and a named list of Megatron-LM classes made inert.
 """
 
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from hybridpar.convert import _halves_to_interleaved, _interleaved_to_halves
+from hybridpar.interop.hf import _halves_to_interleaved, _interleaved_to_halves
 from hybridpar.errors import CheckpointError
 from hybridpar.models import ModelConfig
-from hybridpar.safe_load import load_plain_torch_file, read_metadata
+from hybridpar.checkpoint.safe_load import load_plain_torch_file, read_metadata
 
 # -- tensors: (our names, Megatron name with {i} for the block, how tensor-parallel ranks split it) ---------------
 # Split kinds: rep (replicated), rows (column-/vocab-parallel: concatenated on dim 0), cols (row-parallel: dim 1),
@@ -277,8 +277,8 @@ def _convert(cfg, args, fetch) -> dict[str, torch.Tensor]:
 def _read_torch_dist(iter_dir: Path):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from hybridpar.checkpoint import _safe_load
-    from hybridpar.safe_load import SafeLoadPlanner
+    from hybridpar.checkpoint.dcp import _safe_load
+    from hybridpar.checkpoint.safe_load import SafeLoadPlanner
 
     try:
         info = json.loads((iter_dir / "metadata.json").read_text())

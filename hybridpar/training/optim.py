@@ -26,7 +26,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     plain tensors beside DTensors), and the groups are the same, in the same order, whatever the layout, so a
     checkpoint's optimizer state loads into any other layout. Every group has the same hyperparameters but the
     decay: the update is AdamW's with two groups."""
-    from hybridpar.startup import plain_name
+    from hybridpar.parallel.startup import plain_name
 
     groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():  # each shared (tied) parameter once

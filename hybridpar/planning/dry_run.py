@@ -1,16 +1,17 @@
 """Dry run: one rank of a large job, in one CPU process, with no memory and no network.
 
 A fake process group of the requested world size stands in for NCCL (its collectives return at once), and the
-trainer's own start-up (hybridpar.startup: meta-device build, the real parallelize function for one rank's
+trainer's own start-up (hybridpar.parallel.startup: meta-device build, the real parallelize function for one rank's
 coordinates, then that rank's shards materialised and initialised on the CPU) runs for real; an AdamW step on zero
 gradients creates the optimizer state. What comes out is that rank's local shard shapes and bytes, the bytes it
-actually allocated and the time its init took: the figures the planner (hybridpar.plan) must reproduce.
+actually allocated and the time its init took: the figures the planner (hybridpar.planning.cost) must reproduce.
 """
 
 from __future__ import annotations
 
-import copy
+import math
 import time
+from dataclasses import replace
 from contextlib import nullcontext
 
 import torch
@@ -18,9 +19,8 @@ import torch.distributed as dist
 
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
-from hybridpar.distributed import MESH_AXES, resolve_degrees
-from hybridpar.startup import build_parallel_model
-from hybridpar.parallel import check_layout
+from hybridpar.parallel.distributed import MESH_AXES
+from hybridpar.parallel.startup import build_parallel_model
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -34,8 +34,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def dry_run(cfg: Config, world_size: int, rank: int = 0, gpus_per_node: int | None = None) -> dict:
-    """Parallelize cfg's model for `rank` of `world_size` on the meta device; returns its local bytes and shapes."""
+def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
+    """Parallelize a resolved config's model (hybridpar.resolve: its degrees filled in) for `rank` of `world_size`
+    on the meta device; returns its local bytes and shapes."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -44,10 +45,10 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0, gpus_per_node: int | No
         raise RuntimeError("dry_run needs a process without a process group (it starts a fake one)")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside the world of {world_size}; pick 0 <= rank < {world_size}")
-    cfg = copy.deepcopy(cfg)
-    degrees = resolve_degrees(cfg.parallel, world_size)
-    check_layout(cfg, degrees, gpus_per_node)
-    cfg.train.compile = False  # compilation does not change shapes, and needs real tensors
+    degrees = (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp)
+    if math.prod(degrees) != world_size:
+        raise ConfigError(f"the degrees {degrees} do not make a world of {world_size}; resolve the config first")
+    cfg = replace(cfg, train=replace(cfg.train, compile=False))  # compile changes no shape, and needs real tensors
     start = time.perf_counter()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -84,7 +85,7 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
     excluded; with targets, through the loss: `fused` (the model's chunked LM head + loss) or `plain` (logits,
     then hybridpar's token_loss_sum). A checkpointed block shows up as the input it keeps, and a selectively
     checkpointed one also as the op outputs its policy cached (read from torch.utils.checkpoint's cache)."""
-    from hybridpar.microbatch import chunked_loss, logits_loss
+    from hybridpar.training.microbatch import chunked_loss, logits_loss
     from hybridpar.parallel import SELECTIVE_OBSERVERS
     from hybridpar.parallel.sequence_shard import SAVED_OBSERVERS
 

@@ -3,7 +3,7 @@ built on the meta device, each parameter's tensor-parallel dim from the TP plan 
 arithmetic that DTensor Shard placements and FSDP2 (dim 0 of the TP-local tensor) apply. The planner's byte counts
 and the dry run's comparison both start here.
 
-Rank coordinates follow hybridpar.distributed: the mesh is dp_replicate x dp_shard x tp, tp innermost, so
+Rank coordinates follow hybridpar.parallel.distributed: the mesh is dp_replicate x dp_shard x tp, tp innermost, so
 rank = (rep * dp_shard + shard) * tp + tp_rank. Rank 0 holds the largest shards (chunks are ceil-sized first).
 """
 
@@ -85,6 +85,10 @@ class Layout:
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(replicate, shard, tp) coordinates of a rank."""

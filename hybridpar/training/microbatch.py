@@ -9,7 +9,7 @@ One optimizer step runs the rank's microbatches forward and backward in turn. Tw
   and its gradient unsharded until the last microbatch, which reduces once (fewest collectives, the whole
   tensor-parallel-local model held unsharded). False: each microbatch's backward reduce-scatters into the sharded
   gradient and reshards, as in a single-microbatch step; under HSDP only the cross-replica all-reduce waits for the
-  last microbatch. hybridpar.plan counts the memory and traffic of both.
+  last microbatch. hybridpar.planning.cost counts the memory and traffic of both.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
+from hybridpar.data.gpt_data import IGNORE_INDEX
 
 
 class StopMidStep(Exception):
@@ -29,7 +29,6 @@ class StopMidStep(Exception):
 
     def __init__(self, done: int, total: int):
         super().__init__(f"after microbatch {done} of {total}")
-        self.done, self.total = done, total
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -61,7 +60,6 @@ def forward_backward_no_pipelining(
     num_global_tokens: torch.Tensor,
     device: torch.device,
     forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = logits_loss,
-    grad_scale: float = 1.0,
     autocast=nullcontext,
     loss_context=nullcontext,
     stop_now: Callable[[], bool] = lambda: False,
@@ -75,8 +73,6 @@ def forward_backward_no_pipelining(
         num_global_tokens: target tokens of the whole global batch, all ranks together (a device tensor: no host sync).
         device: where to move each microbatch.
         forward_loss: (model, inputs, targets) -> summed token loss: logits_loss or chunked_loss.
-        grad_scale: multiplies the backward loss; a data-parallel wrapper that averages gradients over dp ranks
-            passes dp_size here so the average becomes the sum the global mean needs.
         autocast: a context-manager factory for mixed precision (around the forward and the loss).
         loss_context: a context-manager factory around loss and backward (tensor parallelism's loss_parallel).
         stop_now: asked after each microbatch but the last; True raises StopMidStep (the step is abandoned).
@@ -100,7 +96,7 @@ def forward_backward_no_pipelining(
         with loss_context():
             with autocast():
                 loss = forward_loss(model, x, y) / num_global_tokens
-            (loss * grad_scale).backward()
+            loss.backward()
         loss = loss.detach()
         total += loss.to_local() if hasattr(loss, "to_local") else loss  # a replicated DTensor under loss_parallel
         if not last and stop_now():

@@ -1,6 +1,6 @@
 """Which layouts a world allows, ranked by the planner's step time among those that fit; and the choices a starting
 run makes from its device's memory: unsharded or sharded gradient accumulation, and the refusal of a plan that
-cannot fit (naming the fastest layout that does). The byte and time model itself is hybridpar.plan.
+cannot fit (naming the fastest layout that does). The byte and time model itself is hybridpar.planning.cost.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.parallel import uses_fsdp
-from hybridpar.plan import (GIB, GPU, GPUS, RESERVED_GIB, RUNTIME_RESERVE_GIB, Layout, accumulates_unsharded,
+from hybridpar.planning.cost import (GIB, GPU, GPUS, RESERVED_GIB, RUNTIME_RESERVE_GIB, Layout, accumulates_unsharded,
                             memory, microbatches, step_time)
 
 
@@ -28,9 +28,8 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[Config]:
     """Every layout of `world` GPUs the config's model and batch allow: tp within a node, dp_replicate across
     node groups (HSDP), each micro-batch size that divides the per-rank batch, each activation-checkpointing mode,
-    parameters resharded after forward, kept until backward (shard_grad_op), or resharded to a node (FSDP2's int)."""
-    import copy
-
+    parameters resharded after forward (full_shard), kept until backward (shard_grad_op) or resharded to a node (N),
+    and both accumulation modes where a step has several microbatches."""
     from hybridpar.parallel import check_layout
 
     nodes = max(1, world // gpus_per_node)
@@ -42,15 +41,15 @@ def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[C
             for micro in _divisors(cfg.train.global_batch_size // dp):
                 for ac in ("none", "selective", "full"):
                     shard, node = dp // rep, gpus_per_node // tp
-                    options = [True, False] + ([node] if 1 < node < shard and shard % node == 0 else [])
+                    options = ["full_shard", "shard_grad_op"] + ([node] if 1 < node < shard and shard % node == 0
+                                                                 else [])
                     accumulate = [True, False] if micro * dp < cfg.train.global_batch_size else [False]
-                    for reshard, unsharded in itertools.product(options if shard > 1 else [True], accumulate):
-                        c = copy.deepcopy(cfg)
-                        c.parallel.tp, c.parallel.dp_replicate, c.parallel.dp_shard = tp, rep, dp // rep
-                        c.parallel.fsdp_strategy = "shard_grad_op" if reshard is False else "full_shard"
-                        c.parallel.reshard_after_forward = reshard
-                        c.parallel.accumulate_unsharded = unsharded
-                        c.train.micro_batch_size, c.train.activation_checkpointing, c.train.ac_every = micro, ac, 1
+                    for strategy, unsharded in itertools.product(options if shard > 1 else ["full_shard"],
+                                                                 accumulate):
+                        c = replace(cfg, parallel=replace(cfg.parallel, tp=tp, dp_replicate=rep, dp_shard=dp // rep,
+                                                          fsdp_strategy=strategy, accumulate_unsharded=unsharded),
+                                    train=replace(cfg.train, micro_batch_size=micro, activation_checkpointing=ac,
+                                                  ac_every=1))
                         try:
                             check_layout(c, (rep, dp // rep, tp), gpus_per_node)
                         except ValueError:
@@ -72,10 +71,7 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
             continue
         est = step_time(c, layout, gpu, gpus_per_node)
         rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,
-                     "fsdp_strategy": (("-" if not uses_fsdp(c, layout.dp) else c.parallel.fsdp_strategy
-                                        if isinstance(c.parallel.reshard_after_forward, bool)
-                                        else f"reshard {c.parallel.reshard_after_forward}")),
-                     "reshard_after_forward": c.parallel.reshard_after_forward,
+                     "fsdp_strategy": c.parallel.fsdp_strategy if uses_fsdp(c, layout.dp) else "-",
                      "accumulate_unsharded": accumulates_unsharded(c, layout),
                      "microbatches": microbatches(c, layout),
                      "activation_checkpointing": c.train.activation_checkpointing,
@@ -83,6 +79,18 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
     # Equal estimates: the larger micro-batch first, then the smaller memory.
     rows.sort(key=lambda r: (-round(r["tokens_per_sec"], 6), -r["micro_batch_size"], r["total_gib"]))
     return rows[:top]
+
+
+def layout_flags(row: dict) -> str:
+    """The command-line flags that select a ranked layout (rank_layouts' row)."""
+    flags = (f"--parallel.dp_replicate {row['dp_replicate']} --parallel.dp_shard {row['dp_shard']} --parallel.tp "
+             f"{row['tp']} --train.micro_batch_size {row['micro_batch_size']} --train.activation_checkpointing "
+             f"{row['activation_checkpointing']}")
+    if row["fsdp_strategy"] != "-":
+        flags += f" --parallel.fsdp_strategy {row['fsdp_strategy']}"
+        if row["microbatches"] > 1:
+            flags += f" --parallel.accumulate_unsharded {str(row['accumulate_unsharded']).lower()}"
+    return flags
 
 
 def gpu_by_name(device_name: str) -> GPU:
@@ -120,15 +128,7 @@ def refuse_if_too_big(cfg: Config, layout: Layout, usable: int, gpus_per_node: i
     fitted = replace(gpu, memory_gib=usable / GIB + RESERVED_GIB)
     best = rank_layouts(cfg, layout.world, gpus_per_node, fitted, top=1)
     if best:
-        b = best[0]
-        hint = (f"the planner's fastest layout that fits: --parallel.dp_replicate {b['dp_replicate']} "
-                f"--parallel.dp_shard {b['dp_shard']} --parallel.tp {b['tp']} --train.micro_batch_size "
-                f"{b['micro_batch_size']} --train.activation_checkpointing {b['activation_checkpointing']}"
-                + (f" --parallel.reshard_after_forward {str(b['reshard_after_forward']).lower()}"
-                   if b["fsdp_strategy"] != "-" else "")
-                + (f" --parallel.accumulate_unsharded {str(b['accumulate_unsharded']).lower()}"
-                   if b["fsdp_strategy"] != "-" and b["microbatches"] > 1 else "")
-                + f" ({b['total_gib']:.1f} GiB)")
+        hint = f"the planner's fastest layout that fits: {layout_flags(best[0])} ({best[0]['total_gib']:.1f} GiB)"
     else:
         hint = f"no layout of {layout.world} GPU(s) fits this model and batch: add GPUs or shrink the model"
     raise ConfigError(f"the plan needs {need / GIB:.1f} GiB per GPU but {device_name} has {usable / GIB:.1f} GiB "

@@ -1,0 +1,176 @@
+"""Resolve a config once, into a frozen Run: every derived value and every check, in one written order, before
+any model is built or any data prepared. The trainer, launch/plan.py, launch/benchmark.py and the dry run all call
+`resolve`; nothing writes the config afterwards (its dataclasses are frozen).
+
+The order (docs/training.md walks it):
+ 1. run name and dir: run.name (the --config file's name, else the model's), run.dir = runs/<name>
+ 2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size
+ 3. precision: bf16 on GPUs that support it, fp32 on the CPU
+ 4. the run dir's lock (a run owns its dir from here), the checkpoint to load and the W&B id it recorded
+ 5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple x tp)
+ 6. the layout's divisibility rules, with the final vocabulary; the micro-batch size
+ 7. the device's usable memory (the minimum over ranks), the accumulation mode, the memory refusal
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.checkpoint.dcp import latest_checkpoint, resolve_load_path
+from hybridpar.checkpoint.resume_checks import read_run_state
+from hybridpar.checkpoint.run_dir import RunDirLock
+from hybridpar.config import Config
+from hybridpar.data.dataset import load_data_tokenizer
+from hybridpar.errors import ConfigError, RunDirError
+from hybridpar.parallel import check_layout
+from hybridpar.parallel.distributed import WorldInfo, gpus_per_node, resolve_degrees
+from hybridpar.planning.layouts import choose_accumulation, gpu_by_name, refuse_if_too_big, usable_bytes
+from hybridpar.planning.cost import GPU
+from hybridpar.planning.shapes import Layout
+
+
+@dataclass(frozen=True)
+class Run:
+    """A resolved run: the final config (no None, auto or -1 left in what was derived) and what was found."""
+    cfg: Config
+    world: WorldInfo
+    device: torch.device
+    layout: Layout
+    gpus_per_node: int | None  # the bound on tp (None on the CPU)
+    tokenizer: object
+    run_dir: Path
+    load_from: Path | None  # the checkpoint this run starts from
+    run_state: Mapping  # that checkpoint's run_state.json ({} without one)
+    usable_bytes: int  # what each rank may allocate on its device (the minimum over ranks)
+    lock: RunDirLock | None  # held by rank 0 of a run that owns its run dir
+
+    @property
+    def microbatches(self) -> int:
+        return self.cfg.grad_accum_steps(self.layout.dp)
+
+
+def _broadcast(value):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
+def _min_over_ranks(value: int, device: torch.device) -> int:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor(value, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)  # every rank must make the same choices
+    return int(t)
+
+
+def _lock(run_dir: Path, rank: int) -> RunDirLock | None:
+    """Rank 0 takes the run dir's lock; every rank raises RunDirError if it cannot be had."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = RunDirLock(run_dir).acquire()
+        except RunDirError as e:
+            error = str(e)
+    error = _broadcast(error)
+    if error is not None:
+        raise RunDirError(error)
+    return lock
+
+
+def _checkpoint_to_load(cfg: Config, run_dir: Path) -> Path | None:
+    """checkpoint.load, else the latest complete checkpoint in run.dir (auto-resume). A run dir holding metrics but
+    no checkpoint is not clobbered."""
+    if cfg.checkpoint.load:
+        return resolve_load_path(cfg.checkpoint.load)
+    latest = latest_checkpoint(run_dir)
+    if latest is None and (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+        raise ConfigError(f"run.dir={str(run_dir)!r} already holds a run (metrics.jsonl) without a checkpoint to "
+                          f"continue from (checkpoint.interval 0 saves none); start another run with --run.name NAME, "
+                          f"or replace this one with --run.overwrite true")
+    return latest
+
+
+def vocab_size_for(cfg: Config, tokenizer, tp: int) -> int:
+    """With model.vocab_from_tokenizer, the tokenizer's vocabulary padded up to a multiple of vocab_multiple x tp
+    (Megatron-LM's rule); else model.vocab_size, checked to hold the tokenizer's and to divide by tp."""
+    m, need = cfg.model, tokenizer.vocab_size
+    pad = m.vocab_multiple * tp
+    padded = pad * math.ceil(need / pad)
+    if m.vocab_from_tokenizer:
+        return padded
+    if m.vocab_size < need:
+        raise ConfigError(f"tokenizer {tokenizer.spec!r} has {need} tokens but model.vocab_size={m.vocab_size}; set "
+                          f"--model.vocab_size {padded}, or leave it out to take the tokenizer's")
+    if m.vocab_size % tp:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} does not divide by parallel.tp={tp}; set "
+                          f"--model.vocab_size {tp * math.ceil(m.vocab_size / tp)}")
+    return m.vocab_size
+
+
+def micro_batch_size_for(cfg: Config, dp: int) -> int:
+    """train.micro_batch_size, or the whole per-rank batch when it is None; checked against the global batch."""
+    t = cfg.train
+    if t.micro_batch_size is None and t.global_batch_size % dp:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by the data-parallel "
+                          f"size {dp}; use a multiple of {dp}")
+    micro = t.micro_batch_size or t.global_batch_size // dp
+    if t.global_batch_size % (micro * dp):
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+                          f"{micro} x data-parallel size {dp}; use a multiple of {micro * dp}")
+    return micro
+
+
+def precision_for(cfg: Config, device: torch.device) -> str:
+    if cfg.train.precision is not None:
+        return cfg.train.precision
+    return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bool = False, tokenizer=None,
+            gpu: GPU | None = None) -> Run:
+    """The Run of `cfg` on `world` (this process's rank) and `device`, in the order of the module docstring.
+    own_run_dir: take the run dir's lock and look for a checkpoint to resume (the trainer's launcher). tokenizer:
+    one already loaded, instead of data.tokenizer's. gpu: plan for this GPU type instead of the device (its
+    usable memory, world.local_world_size GPUs per node, no refusal: launch/plan.py reports the fit). Collectives
+    run only when a process group with several ranks exists."""
+    run_dir = Path(cfg.run.dir) if cfg.run.dir else Path("runs") / (cfg.run.name or cfg.model.name)  # 1
+    cfg = replace(cfg, run=replace(cfg.run, name=cfg.run.name or cfg.model.name, dir=str(run_dir)))
+    node = world.local_world_size if gpu is not None else gpus_per_node(device, world)
+    dp_replicate, dp_shard, tp = resolve_degrees(cfg.parallel, world.world_size, world.local_world_size)  # 2
+    layout = Layout(dp_replicate, dp_shard, tp)
+    parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
+    train = replace(cfg.train, precision=precision_for(cfg, device))  # 3
+    lock = _lock(run_dir, world.rank) if own_run_dir else None  # 4
+    try:
+        load_from = _checkpoint_to_load(cfg, run_dir) if own_run_dir else None
+        run_state = read_run_state(load_from) if load_from is not None else {}
+        wandb = cfg.logging.wandb
+        if wandb.id is None and load_from is not None and not cfg.checkpoint.load_weights_only:
+            wandb = replace(wandb, id=run_state.get("wandb_id"))
+        if tokenizer is None:  # 5
+            tokenizer = load_data_tokenizer(cfg.data)
+        model = replace(cfg.model, vocab_size=vocab_size_for(cfg, tokenizer, tp))
+        cfg = replace(cfg, model=model, parallel=parallel, train=train,
+                      logging=replace(cfg.logging, wandb=wandb))
+        check_layout(cfg, (dp_replicate, dp_shard, tp), node)  # 6
+        cfg = replace(cfg, train=replace(train, micro_batch_size=micro_batch_size_for(cfg, layout.dp)))
+        usable = gpu.usable_bytes if gpu is not None else _min_over_ranks(usable_bytes(device), device)  # 7
+        cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=choose_accumulation(cfg, layout, usable)))
+        if gpu is None and device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, before allocating anything
+            name = torch.cuda.get_device_name(device)
+            refuse_if_too_big(cfg, layout, usable, node, gpu_by_name(name), name)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Run(cfg, world, device, layout, node, tokenizer, run_dir, load_from, MappingProxyType(dict(run_state)),
+               usable, lock)
