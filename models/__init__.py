@@ -52,19 +52,10 @@ def build_model(config: ModelConfig, device: torch.device | str = "meta", init: 
     return model
 
 
-def count_params(model_or_config: nn.Module | ModelConfig, exclude_embeddings: bool = False) -> int:
-    """Number of distinct parameters (a tied embedding counts once). With exclude_embeddings, the token and
-    position embeddings are left out (the LM head stays when it is not tied)."""
+def count_params(model_or_config: nn.Module | ModelConfig) -> int:
+    """Number of distinct parameters (a tied embedding counts once; parameters() yields each shared one once)."""
     model = build_model(model_or_config) if isinstance(model_or_config, ModelConfig) else model_or_config
-    skip = set()
-    if exclude_embeddings:
-        skip = {id(p) for n, p in model.named_parameters() if n.startswith(("tok_embeddings", "pos_embeddings"))}
-    seen, total = set(), 0
-    for p in model.parameters():  # parameters() yields each shared Parameter once
-        if id(p) not in skip and id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
+    return sum(p.numel() for p in model.parameters())
 
 
 def load_pretrained(path, device: torch.device | str = "cpu") -> GPT:

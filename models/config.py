@@ -27,7 +27,8 @@ class ModelConfig:
     n_heads: int = doc(4, "attention (query) heads")
     n_kv_heads: Optional[int] = doc(None, "key/value heads for grouped-query attention; None = n_heads")
     ffn_hidden_size: Optional[int] = doc(None, "MLP inner width; None = 4*d_model (gelu) or 8/3*d_model rounded up to 256 (swiglu)")
-    vocab_size: int = doc(8192, "embedding rows (the preset's by default); must cover the tokenizer and divide by tp")
+    vocab_size: int = doc(8192, "embedding rows; training takes the tokenizer's size padded (vocab_from_tokenizer) "
+                                "unless this is given; it must cover the tokenizer and divide by tp")
     vocab_from_tokenizer: bool = doc(True, "training sets vocab_size from the tokenizer, its size padded up to a "
                                            "multiple of vocab_multiple x tp; giving --model.vocab_size turns this off")
     vocab_multiple: int = doc(128, "padding multiple of a vocabulary taken from the tokenizer (Megatron-LM's "

@@ -85,30 +85,6 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
                for s in range(0, h.shape[0], chunk_tokens))
 
 
-class AttentionCore(nn.Module):
-    """The parameter-free middle of attention: RoPE, then causal softmax(QK^T/sqrt(hd))V.
-
-    Its own module so that selective activation checkpointing can recompute just this part (the activations of
-    the softmax grow with T^2 in unfused kernels, and are cheap to recompute) without touching the projections.
-    """
-
-    def __init__(self, dropout: float):
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q, k, v, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """q (B, T, nh, hd), k and v (B, T, nkv, hd) -> (B, T, nh*hd)."""
-        if rope is not None:
-            T = q.shape[1]
-            cos, sin = rope[0][:T], rope[1][:T]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = (rearrange(t, "b t n d -> b n t d") for t in (q, k, v))  # (B, n, T, hd)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
-        return rearrange(y, "b n t d -> b t (n d)")
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -118,14 +94,22 @@ class Attention(nn.Module):
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
-        self.core = AttentionCore(cfg.dropout)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         q = rearrange(self.wq(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nh, hd)
         k = rearrange(self.wk(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nkv, hd)
         v = rearrange(self.wv(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nkv, hd)
-        return self.wo(self.core(q, k, v, rope))  # (B, T, H)
+        if rope is not None:
+            T = q.shape[1]
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (rearrange(t, "b t n d -> b n t d") for t in (q, k, v))  # (B, n, T, hd)
+        y = F.scaled_dot_product_attention(  # causal softmax(QK^T / sqrt(hd)) V, fused where the device has it
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
+        return self.wo(rearrange(y, "b n t d -> b t (n d)"))  # (B, T, H)
 
 
 class MLP(nn.Module):

@@ -1,5 +1,9 @@
 """Shared fixtures. Tests run on CPU; a session-wide cache directory keeps the built-in corpus and its tokenizer
-from being rebuilt by every end-to-end test while leaving the user's ~/.cache alone."""
+from being rebuilt by every end-to-end test while leaving the user's ~/.cache alone.
+
+Two tiers: tests marked `multiprocess` start processes (the launchers, gloo ranks, torchrun, the SLURM cluster);
+`python -m pytest -q -m "not multiprocess"` runs the rest, the unit tier. A unit test that starts a process fails
+(the guard below), so the tier stays what its name says."""
 
 from __future__ import annotations
 
@@ -9,9 +13,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import multiprocessing.process
+
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    if request.node.get_closest_marker("multiprocess"):
+        return
+
+    def refuse(*_a, **_k):
+        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.multiprocess")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 @pytest.fixture(scope="session")

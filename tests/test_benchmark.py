@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import run_cli
 
 
@@ -27,3 +28,6 @@ def test_benchmark_bad_arguments_are_one_line():
     out = run_cli(["launch/benchmark.py", "--steps", "0"])
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
         "error: --warmup 3 --steps 0: need warmup >= 0 and steps >= 1"]
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

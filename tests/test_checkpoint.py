@@ -242,3 +242,6 @@ def test_weights_only_starts_a_new_run(reference, tmp_path, cache_dir):
     losses = loss_curve(tmp_path / "ft")
     assert sorted(losses) == [1, 2]
     assert losses[1] < reference[1][1] - 0.2  # starts from trained weights, not from the initialisation
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

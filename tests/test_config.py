@@ -115,13 +115,16 @@ def test_yaml_type_errors(tmp_path):
 
 
 def test_world_dependent_batch_check():
+    from hybridpar.resolve import micro_batch_size_for
+
     cfg = load_config(["--train.global_batch_size", "32", "--train.micro_batch_size", "8"])
-    cfg.check_world(4)
-    assert cfg.grad_accum_steps(2) == 2
+    assert micro_batch_size_for(cfg, 4) == 8 and cfg.grad_accum_steps(2) == 2  # 32 / (8 x 2)
+    assert micro_batch_size_for(load_config(["--train.global_batch_size", "32"]), 4) == 8  # None: 32 / 4 ranks
     with pytest.raises(ValueError, match="micro_batch_size=8 x data-parallel size 3"):
-        cfg.check_world(3)
+        micro_batch_size_for(cfg, 3)
 
 
+@pytest.mark.multiprocess
 def test_cli_help_lists_fields():
     out = run_cli(["launch/pretrain_gpt.py", "--help"])
     assert out.returncode == 0
@@ -130,6 +133,7 @@ def test_cli_help_lists_fields():
     assert "writes the initial weights as a seed checkpoint (step 0) and stops (default: 200)" in out.stdout
 
 
+@pytest.mark.multiprocess
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     out = run_cli(["launch/pretrain_gpt.py", "--train.stesp", "3", "--run.dir", str(run_dir)])

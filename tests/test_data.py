@@ -11,7 +11,8 @@ import pytest
 from conftest import run_cli
 from hybridpar.config.cli import load_config
 from hybridpar.data.corpus import load_builtin_corpus
-from hybridpar.data.dataset import check_vocab, prepare_builtin, unigram_loss
+from hybridpar.data.dataset import load_data_tokenizer, prepare_builtin, unigram_loss
+from hybridpar.resolve import vocab_size_for
 from hybridpar.data.indexed import IndexedTokens
 from hybridpar.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
@@ -40,7 +41,8 @@ def test_byte_tokenizer_roundtrip():
 
 def test_builtin_corpus_preprocessed_with_the_trained_bpe(cache_dir):
     cfg = load_config(["--data.cache_dir", str(cache_dir)])
-    prefix, tok, description = prepare_builtin(cfg, cache_dir)
+    tok = load_data_tokenizer(cfg.data)
+    prefix, description = prepare_builtin(cfg.data, tok)
     assert tok.vocab_size == 4096 and "documents" in description
     data = IndexedTokens(prefix)
     docs, _ = load_builtin_corpus(cache_dir)
@@ -48,8 +50,8 @@ def test_builtin_corpus_preprocessed_with_the_trained_bpe(cache_dir):
     assert tok.decode(data[5][:-1].tolist()) == docs[5] and int(data[5][-1]) == tok.eod_id
     text = "Return the number of items in a container."
     assert len(tok.encode(text)) < len(text) / 2.5  # a BPE trained on this text compresses it
-    assert 5.5 < unigram_loss(prefix, cfg.data.split_fractions, tok.vocab_size) < 8.0
-    assert prepare_builtin(cfg, cache_dir)[0] == prefix  # cached
+    assert 5.5 < unigram_loss(data, cfg.data.split_fractions, tok.vocab_size) < 8.0
+    assert prepare_builtin(cfg.data, tok)[0] == prefix  # cached
 
 
 def test_gpt2_files_and_sentencepiece_load_offline(tmp_path):
@@ -93,19 +95,16 @@ def test_vocab_padding_rule():
     for argv, n, tp, want in [([], 50257, 1, 50304), ([], 50257, 2, 50432), ([], 4096, 1, 4096),
                               (["--model.vocab_multiple", "1"], 50257, 1, 50257),
                               (["--model.vocab_multiple", "64"], 1000, 4, 1024)]:
-        cfg = load_config(argv)
-        check_vocab(cfg, tok(n), tp=tp)
-        assert cfg.model.vocab_size == want, (argv, n, tp)
+        assert vocab_size_for(load_config(argv), tok(n), tp=tp) == want, (argv, n, tp)
     # given: used as given, refused when smaller than the tokenizer's or not divisible by tp
-    cfg = load_config(["--model.vocab_size", "5000"])
-    check_vocab(cfg, tok(4096), tp=1)
-    assert cfg.model.vocab_size == 5000
+    assert vocab_size_for(load_config(["--model.vocab_size", "5000"]), tok(4096), tp=1) == 5000
     with pytest.raises(ValueError, match="has 5000 tokens but model.vocab_size=4096; set --model.vocab_size 5120"):
-        check_vocab(load_config(["--model.vocab_size", "4096"]), tok(5000), tp=1)
+        vocab_size_for(load_config(["--model.vocab_size", "4096"]), tok(5000), tp=1)
     with pytest.raises(ValueError, match=r"vocab_size=4161 does not divide by parallel.tp=2; set --model.vocab_size 4162"):
-        check_vocab(load_config(["--model.vocab_size", "4161"]), tok(4096), tp=2)
+        vocab_size_for(load_config(["--model.vocab_size", "4161"]), tok(4096), tp=2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
 def test_preprocess_jsonl(tmp_path, jsonl, tokenizer):
     if tokenizer == "bpe":
@@ -128,6 +127,7 @@ def test_preprocess_jsonl(tmp_path, jsonl, tokenizer):
         assert IndexedTokens(tmp_path / "out" / "small").n_tokens < sum(len(w.encode()) for w in want)
 
 
+@pytest.mark.multiprocess
 def test_preprocess_plain_text_blank_line_blocks(tmp_path):
     (tmp_path / "a.txt").write_text("first block\nstill first\n\nsecond block\n\n\nthird\n")
     out = run_cli(["launch/preprocess_data.py", "--input", str(tmp_path / "a.txt"), "--tokenizer", "bytes",
@@ -143,6 +143,7 @@ def test_preprocess_plain_text_blank_line_blocks(tmp_path):
     (["--tokenizer", "train-bpe:1000"], "train a tokenizer first with launch/train_tokenizer.py"),
     (["--workers", "0"], "--workers 0: give at least 1"),
 ])
+@pytest.mark.multiprocess
 def test_preprocess_errors_are_one_line_and_write_nothing(tmp_path, jsonl, args, message):
     argv = ["launch/preprocess_data.py", "--input", str(jsonl), "--tokenizer", "bytes", "--output-prefix",
             str(tmp_path / "x"), *args]
@@ -151,6 +152,7 @@ def test_preprocess_errors_are_one_line_and_write_nothing(tmp_path, jsonl, args,
     assert len(out.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.multiprocess
 def test_preprocess_refuses_to_overwrite(tmp_path, jsonl):
     argv = ["launch/preprocess_data.py", "--input", str(jsonl), "--tokenizer", "bytes", "--output-prefix",
             str(tmp_path / "x")]
@@ -161,6 +163,7 @@ def test_preprocess_refuses_to_overwrite(tmp_path, jsonl):
     assert (tmp_path / "x.bin").stat().st_mtime_ns == before
 
 
+@pytest.mark.multiprocess
 def test_preprocess_reads_zstd_jsonl(tmp_path):
     import zstandard
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import loss_curve, metrics_rows, run_cli
 
 
@@ -48,3 +49,6 @@ def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path, cache_dir):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "has 4096 tokens but model.vocab_size=1024; set --model.vocab_size 4096" in out.stderr
     assert not run_dir.exists()
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, user_env
 
 
@@ -37,3 +38,6 @@ def test_gpu_check_runs_every_step_in_smoke_mode(tmp_path, cache_dir):
     params = bench["accum_true"]["planned_bytes"] - bench["accum_false"]["planned_bytes"]
     assert params > 0 and params % 6 == 0
     assert (out / "summary.txt").read_text().count(": ok ") == 5
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

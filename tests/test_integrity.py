@@ -480,3 +480,6 @@ def test_plot_metrics_skips_torn_lines_and_refuses_empty_files(tmp_path, capsys)
     (run / "metrics.jsonl").write_text("")
     assert plot_metrics.cli([str(run), "--out", str(tmp_path / "q.png")]) == 2
     assert "holds no metrics rows yet" in capsys.readouterr().err and not (tmp_path / "q.png").exists()
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

@@ -13,6 +13,7 @@ import time
 
 import yaml
 
+import pytest
 from conftest import ROOT, run_cli
 
 TRAIN = str(ROOT / "launch" / "pretrain_gpt.py")
@@ -139,3 +140,6 @@ def test_small_things(tmp_path):
                         "--output-prefix", str(tmp_path / "out")], cwd=ROOT, stdout=log, stderr=log, check=True)
     text = (tmp_path / "log").read_text()
     assert "\r" not in text and "2000 documents" in text.replace(",", ""), text
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

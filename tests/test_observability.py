@@ -137,3 +137,6 @@ def test_profiler_trace_plot_and_tensorboard(tmp_path, cache_dir):
     plot = run_cli(["launch/plot_metrics.py", str(run_dir), "--out", str(tmp_path / "m.png")])
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

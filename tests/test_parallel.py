@@ -71,11 +71,12 @@ LAYOUTS = [
     ((2, 2, 1), 4, ["--train.activation_checkpointing", "selective", "--parallel.fsdp_cpu_offload", "true",
                     "--parallel.fsdp_strategy", "shard_grad_op", "--parallel.accumulate_unsharded", "false"]),
     ((1, 1, 2), 2, ["--parallel.sequence_parallel", "false"]),
-    ((1, 4, 1), 4, ["--parallel.reshard_after_forward", "2", "--parallel.accumulate_unsharded", "false"]),  # FSDP2's
+    ((1, 4, 1), 4, ["--parallel.fsdp_strategy", "2", "--parallel.accumulate_unsharded", "false"]),  # FSDP2's
     #                 int: backward gathers within pairs; each microbatch reduce-scattered
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout, nproc, extra", LAYOUTS,
                          ids=[f"r{a}s{b}t{c}" + ("-" + "-".join(e[1::2]) if e else "") for (a, b, c), _, e in LAYOUTS])
 def test_layout_gives_the_single_process_loss_curve(layout, nproc, extra, reference, tmp_path, cache_dir):
@@ -104,15 +105,33 @@ def test_degrees_fill_and_mismatch():
         load_config(["--parallel.tp", "-1", "--parallel.dp_shard", "-1"])
 
 
+def test_fsdp_strategy_names_pick_the_layout():
+    """FSDP's names act on the degrees left at their defaults; degrees that contradict the name are refused."""
+    degrees = lambda argv, world, per_node=1: resolve_degrees(load_config(argv).parallel, world, per_node)  # noqa: E731
+    assert degrees([], 8, 4) == (1, 8, 1)  # full_shard: one shard group over the world
+    assert degrees(["--parallel.fsdp_strategy", "hybrid_shard"], 16, 8) == (2, 8, 1)  # 2 nodes of 8
+    assert degrees(["--parallel.fsdp_strategy", "hybrid_shard", "--parallel.tp", "2"], 16, 8) == (2, 4, 2)
+    assert degrees(["--parallel.fsdp_strategy", "hybrid_shard"], 8, 8) == (1, 8, 1)  # one node: full_shard
+    assert degrees(["--parallel.fsdp_strategy", "hybrid_shard", "--parallel.dp_replicate", "4"], 16, 8) == (4, 4, 1)
+    assert degrees(["--parallel.fsdp_strategy", "no_shard"], 8, 4) == (8, 1, 1)
+    assert degrees(["--parallel.fsdp_strategy", "no_shard", "--parallel.tp", "2"], 8, 4) == (4, 1, 2)
+    with pytest.raises(ValueError, match="no_shard replicates the model .* parallel.dp_shard=4"):
+        degrees(["--parallel.fsdp_strategy", "no_shard", "--parallel.dp_shard", "4"], 8)
+    with pytest.raises(ValueError, match="hybrid_shard shards inside a node, but parallel.dp_shard=1"):
+        degrees(["--parallel.fsdp_strategy", "hybrid_shard", "--parallel.dp_shard", "1"], 8)
+    with pytest.raises(ValueError, match="tp=3 does not divide the 8 ranks per node"):
+        degrees(["--parallel.fsdp_strategy", "hybrid_shard", "--parallel.tp", "3"], 24, 8)
+    with pytest.raises(ValueError, match="fsdp_strategy=1: an integer reshard group must be >= 2"):
+        load_config(["--parallel.fsdp_strategy", "1"])
+
+
 @pytest.mark.parametrize("argv, degrees, gpus, message", [
     (["--model.n_heads", "2"], (1, 1, 4), None, "model.n_heads=2"),
     (["--model.vocab_size", "4098"], (1, 1, 4), None, "model.vocab_size=4098"),
     (["--train.seq_len", "66"], (1, 1, 4), None, "train.seq_len (sequence parallel)=66"),
     ([], (1, 1, 4), 2, "parallel.tp=4 exceeds the 2 GPUs of a node"),
-    (["--parallel.reshard_after_forward", "3"], (1, 4, 1), None, "reshard_after_forward=3 must divide"),
-    (["--parallel.reshard_after_forward", "4"], (1, 4, 1), None, "strictly between 1 and it"),
-    (["--train.global_batch_size", "32", "--train.micro_batch_size", "16"], (1, 4, 1), None,
-     "micro_batch_size=16 x data-parallel size 4"),
+    (["--parallel.fsdp_strategy", "3"], (1, 4, 1), None, "fsdp_strategy=3 must divide"),
+    (["--parallel.fsdp_strategy", "4"], (1, 4, 1), None, "strictly between 1 and it"),
 ])
 def test_layout_validation_errors(argv, degrees, gpus, message):
     with pytest.raises(ValueError) as e:
@@ -129,6 +148,7 @@ def test_world_from_torchrun_and_slurm_env():
     assert world_from_env({}).world_size == 1
 
 
+@pytest.mark.multiprocess
 def test_bf16_one_process_and_two_run_the_same_numerics(tmp_path, cache_dir):
     """bf16 is FSDP2's mixed precision on every mesh, 1x1 included (bf16 compute, fp32 master weights and
     gradient reduction), so one process and two data-parallel ranks differ only by the order of fp32 sums."""
@@ -218,6 +238,7 @@ def _update_worker(rank: int, world: int, init_file: str, cache_dir: str, cases,
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_every_layout_accumulation_mode_and_adamw_kernel_gives_the_single_process_update(tmp_path, cache_dir):
     """The weights after 2 steps equal one process's (fp32, 1e-5 of each tensor's norm) for every layout, with
     FSDP accumulating unsharded or sharded, and with the AdamW kernels CUDA picks: under tensor parallelism

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -101,8 +102,7 @@ def test_memory_parts_move_the_right_way():
     cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
                        "--train.micro_batch_size", "8", "--train.precision", "bf16"])
     one = memory(cfg, Layout(1, 8, 1))
-    cfg.train.activation_checkpointing = "full"
-    full = memory(cfg, Layout(1, 8, 1))
+    full = memory(replace(cfg, train=replace(cfg.train, activation_checkpointing="full")), Layout(1, 8, 1))
     assert full["activations_bytes_per_gpu"] < one["activations_bytes_per_gpu"] / 4
     assert full["params_bytes_per_gpu"] == one["params_bytes_per_gpu"]
     # fp32 master weights: 1.3B x 4 bytes / 8 ranks, AdamW twice that.
@@ -112,6 +112,7 @@ def test_memory_parts_move_the_right_way():
     assert tp2["params_bytes_per_gpu"] == pytest.approx(full["params_bytes_per_gpu"], rel=0.01)
 
 
+@pytest.mark.multiprocess
 def test_plan_json_and_ranked_layouts():
     out = run_cli(["launch/plan.py", "--model.name", "gpt3-6.7b", "--cluster.nodes", "2", "--cluster.gpu", "h100",
                    "--train.seq_len", "2048", "--train.global_batch_size", "128", "--json"])
@@ -136,17 +137,17 @@ def test_reshard_to_a_node_sits_between_full_shard_and_keeping_parameters():
     argv = ["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
             "--train.micro_batch_size", "1", "--train.precision", "bf16"]
     layout, est, mem = Layout(1, 16, 1), {}, {}
-    for value in ("true", "false", "8"):
-        cfg = load_config([*argv, "--parallel.reshard_after_forward", value])
+    for value in ("full_shard", "shard_grad_op", "8"):
+        cfg = load_config([*argv, "--parallel.fsdp_strategy", value])
         mem[value] = memory(cfg, layout)["fsdp_buffers_bytes_per_gpu"]
         est[value] = step_time(cfg, layout, GPUS["h100"], 8)
     # one block's parameters, counted on the plain model (not through the planner's shapes)
     block_numel = sum(p.numel() for p in build_model(cfg.model, "meta", init=False).layers[0].parameters())
     # resharded to 8: every block keeps 1/8 of its bf16 parameters from forward to backward
-    assert mem["8"] - mem["true"] == 2 * 24 * math.ceil(block_numel / 8)
-    assert mem["true"] < mem["8"] < mem["false"]
+    assert mem["8"] - mem["full_shard"] == 2 * 24 * math.ceil(block_numel / 8)
+    assert mem["full_shard"] < mem["8"] < mem["shard_grad_op"]
     # 16 ranks on 2 nodes: full_shard's backward gathers cross nodes, resharding to a node's 8 keeps them on NVLink
-    assert est["false"]["fsdp_comm_s"] < est["8"]["fsdp_comm_s"] < est["true"]["fsdp_comm_s"]
+    assert est["shard_grad_op"]["fsdp_comm_s"] < est["8"]["fsdp_comm_s"] < est["full_shard"]["fsdp_comm_s"]
 
 
 def test_sequence_parallel_keeps_a_quarter_at_tp4():
@@ -168,8 +169,8 @@ def test_larger_microbatches_win_when_they_fit():
     assert ranked[0]["micro_batch_size"] == 8  # the largest that divides 64 / 8 ranks
     est = {}
     for micro in (1, 8):
-        cfg.train.micro_batch_size = micro
-        est[micro] = step_time(cfg, Layout(1, 8, 1), GPUS["h100"], 8)
+        c = replace(cfg, train=replace(cfg.train, micro_batch_size=micro))
+        est[micro] = step_time(c, Layout(1, 8, 1), GPUS["h100"], 8)
     # Hand count: 8 vs 1 microbatches, 24 blocks, 50 kernels x 5 us + 100 us of FSDP hooks per block and microbatch.
     assert est[1]["per_microbatch_overhead_s"] - est[8]["per_microbatch_overhead_s"] == pytest.approx(
         7 * 24 * (50 * 5e-6 + 100e-6))
@@ -245,6 +246,7 @@ def _tp_worker(rank: int, world: int, init_file: str, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.multiprocess
 def test_tp_activation_bytes_equal_what_each_rank_saves(tmp_path):
     """Under tensor (and sequence) parallelism on 2 real gloo ranks: each rank's saved bytes against the planner.
     The DTensor plan keeps the all-gathered input of each column-parallel projection (full sequence), the rest
@@ -297,7 +299,6 @@ def _accumulation_worker(rank: int, world: int, init_file: str, results) -> None
                                "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
                                "--parallel.dp_replicate", str(degrees[0]), "--parallel.dp_shard", str(degrees[1]),
                                "--parallel.accumulate_unsharded", str(unsharded).lower()])
-            cfg.check_world(world)
             model = build_parallel_model(cfg, init_device_mesh("cpu", degrees, mesh_dim_names=MESH_AXES),
                                          torch.device("cpu"))
             g = torch.Generator().manual_seed(rank)
@@ -318,6 +319,7 @@ def _accumulation_worker(rank: int, world: int, init_file: str, results) -> None
 ACCUMULATION_CASES = [(d, p, u) for d in ((1, 2, 1), (2, 1, 1)) for p in ("fp32", "bf16") for u in (True, False)]
 
 
+@pytest.mark.multiprocess
 def test_bytes_held_between_microbatches_equal_the_planner(tmp_path):
     """On 2 real gloo ranks, after microbatch 1 of 2: every byte alive beyond what the step started with, against
     the planner's between_microbatches_bytes_per_gpu. Unsharded accumulation holds the whole model gathered with

@@ -152,3 +152,6 @@ def test_preempted_job_saves_requeues_and_resumes(slurm, tmp_path, cache_dir):
     assert "requeueing job" in stdout and "resuming from" in stdout, stdout[-3000:]
     assert loss_curve(run_dir) == loss_curve(ref_dir)  # bitwise, every step before and after the requeue
     print(f"preempted job {jid}: {time.time() - t0:.0f}s from submit to COMPLETED after {job['Restarts']} requeue(s)")
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

@@ -67,6 +67,7 @@ def test_seed_checkpoint_holds_the_models_own_init(one_process_init):
         assert torch.equal(v, want[k]), k
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [(1, 4, 1), (1, 2, 2), (2, 1, 2), (2, 2, 1)], ids=lambda l: "r%ds%dt%d" % l)
 def test_initial_weights_are_bitwise_equal_for_every_layout(layout, one_process_init, tmp_path, cache_dir):
     got = _seed_checkpoint(tmp_path, cache_dir, "sharded", layout)
@@ -83,6 +84,7 @@ sys.exit(rc)
 """
 
 
+@pytest.mark.multiprocess
 def test_start_up_memory_per_rank_is_a_shard_not_the_model(tmp_path, cache_dir):
     """gpt2-774m on 4 ranks (dp_shard 4) writes its seed checkpoint: each rank's peak RSS stays within a quarter of
     the fp32 weights plus 1 GiB (one full copy per rank, as before, was 4.4-4.8 GB)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -126,3 +127,6 @@ def test_tp_layers_loss_parallel_and_fsdp_accumulation(tmp_path, monkeypatch):
         assert one["all_reduce"] == 3, one
         assert two["all_reduce"] == 3, two
         assert sharded["all_reduce"] == 3, sharded  # sharded too: the replicas all-reduce on the last only
+
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
 import torch
 
 from conftest import run_cli
@@ -43,11 +44,13 @@ def test_weight_decay_applies_to_matrices_only():
 def test_data_order_follows_the_seed(cache_dir):
     from hybridpar.config.cli import load_config
     from hybridpar.data.dataset import build_training_data
+    from hybridpar.parallel.distributed import WorldInfo
+    from hybridpar.resolve import resolve
 
     def first_batch(seed: int) -> torch.Tensor:
         cfg = load_config(["--train.seed", str(seed), "--train.global_batch_size", "8", "--train.seq_len", "64",
                            "--train.micro_batch_size", "8", "--data.cache_dir", str(cache_dir)])
-        data = build_training_data(cfg, dp_rank=0, dp_size=1, tp=1)
+        data = build_training_data(resolve(cfg, WorldInfo(0, 1, 0, 1), torch.device("cpu")), dp_rank=0, dp_size=1)
         try:
             return torch.cat([x for x, _ in data.train.microbatches(0)])
         finally:
@@ -82,6 +85,7 @@ HUGE_STEP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_huge_finite_gradient_is_clipped_and_applied(cache_dir):
     out = run_cli(["-c", HUGE_STEP, "--train.global_batch_size", "8", "--train.micro_batch_size", "8",
                    "--train.seq_len", "64", "--train.precision",
@@ -95,6 +99,7 @@ def test_huge_finite_gradient_is_clipped_and_applied(cache_dir):
     assert 1e-3 < r["change"] < 1e-2
 
 
+@pytest.mark.multiprocess
 def test_non_finite_step_before_fit_warns_without_a_logger(cache_dir):
     """Trainer.train_step called directly (no fit(), so no metrics logger yet) with a NaN gradient: the step is
     skipped and the warning reaches the console instead of crashing on a missing logger."""
@@ -161,6 +166,7 @@ NO_SYNC = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_train_step_never_waits_on_the_device_with_the_fused_optimizer(cache_dir):
     """No host read inside train_step (counted by wrapping every Tensor-to-Python conversion), yet a non-finite step
     is still skipped (on the device: the fused AdamW's found_inf) and counted once its status is read."""

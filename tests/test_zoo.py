@@ -117,6 +117,7 @@ def test_unknown_preset_suggests_names():
         get_model_config("tiny", n_heads=5)
 
 
+@pytest.mark.multiprocess
 def test_model_zoo_cli_json_and_table():
     out = run_cli(["launch/model_zoo.py", "--json"])
     assert out.returncode == 0, out.stderr
@@ -128,6 +129,7 @@ def test_model_zoo_cli_json_and_table():
     assert table.returncode == 0 and "gpt-modern-7b" in table.stdout and "kv" in table.stdout.splitlines()[0]
 
 
+@pytest.mark.multiprocess
 def test_models_package_has_no_distributed_import_and_installs_under_hybridpar(tmp_path):
     for f in (ROOT / "models").glob("*.py"):
         assert "torch.distributed" not in f.read_text(), f

@@ -2,8 +2,8 @@
 
 Sections: model, parallel, train, optim, data, checkpoint, logging (with logging.wandb), profile, run. Each validates its
 own fields in __post_init__; `Config.__post_init__` checks what spans sections (batch arithmetic, sequence length
-against the model's context). What depends on the world size is checked by hybridpar.parallel.check_layout when the
-mesh is built, still before any model exists. Loading from YAML and the command line lives in hybridpar.config.cli.
+against the model's context). Every section is frozen: what depends on the world, the device or the data is derived
+once by hybridpar.resolve, into a new Config. Loading from YAML and the command line lives in hybridpar.config.cli.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu")
     activation_checkpointing: Literal["none", "full", "selective"] = doc(
         "none", "recompute activations in backward: full = whole blocks (every train.ac_every-th one; ~1/3 more "
-        "compute), selective = only each block's attention core (RoPE + softmax attention, cheap to recompute)")
+        "compute), selective = keep each block's matmul and fused-attention outputs, recompute the cheap rest "
+        "(norms, RoPE, activations, residual adds; no matmul FLOPs)")
     ac_every: int = doc(1, "full activation checkpointing: checkpoint blocks 0, k, 2k, ... (1 = every block)")
     compile: bool = doc(False, "torch.compile each transformer block")
     loss_chunk_tokens: int = doc(4096, "with tp = 1: LM head + cross entropy fused, in chunks of this many tokens, so "

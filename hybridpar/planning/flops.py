@@ -45,7 +45,8 @@ def matmul_params(cfg: ModelConfig) -> int:
 
 def flops_parts(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     """Training (forward + backward = 3 x forward) model FLOPs per token by part: the blocks' projections and MLPs,
-    the attention scores and weighted sums (QK^T and AV, causal mask not discounted), and the LM head."""
+    the attention scores and weighted sums (QK^T and AV over the causal half of the T x T square: 6 x T x H per layer,
+    half of PaLM's 12 x L x H x T, which counts the whole square), and the LM head."""
     head = cfg.vocab_size * cfg.d_model
     return {"blocks": 6 * (matmul_params(cfg) - head),
             "attention": 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim, "head": 6 * head}

@@ -1,0 +1,87 @@
+"""hybridpar.resolve: one pass from the user's config to a frozen Run, in the order docs/training.md writes down."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from hybridpar.config.cli import load_config
+from hybridpar.errors import ConfigError, RunDirError
+from hybridpar.parallel.distributed import WorldInfo
+from hybridpar.planning.cost import GIB, GPUS, memory
+from hybridpar.planning.layouts import refuse_if_too_big
+from hybridpar.resolve import resolve
+
+CPU = torch.device("cpu")
+
+
+class _Vocabulary:
+    def __init__(self, n: int):
+        self.vocab_size, self.spec = n, f"{n} tokens"
+
+
+def test_tp3_trains_the_padded_vocabulary_of_the_builtin_tokenizer(cache_dir):
+    """The layout is checked with the vocabulary the data layer trains: the built-in 4096-token BPE padded to a
+    multiple of 128 x 3 is 11 x 384 = 4224, which tp 3 divides (the model preset's 4096 does not)."""
+    cfg = load_config(["--data.cache_dir", str(cache_dir), "--parallel.tp", "3", "--model.n_heads", "3",
+                       "--model.d_model", "192", "--train.seq_len", "96", "--train.global_batch_size", "4"])
+    run = resolve(cfg, WorldInfo(0, 3, 0, 3), CPU)
+    assert run.cfg.model.vocab_size == 4224 and run.tokenizer.vocab_size == 4096
+    assert run.layout.degrees == (1, 1, 3) and run.cfg.train.micro_batch_size == 4
+
+
+def test_every_derived_value_is_filled_and_the_result_is_frozen(cache_dir):
+    cfg = load_config(["--data.cache_dir", str(cache_dir), "--train.global_batch_size", "16",
+                       "--train.micro_batch_size", "2"])
+    run = resolve(cfg, WorldInfo(0, 4, 0, 4), CPU)
+    c = run.cfg
+    assert (c.run.name, c.run.dir, str(run.run_dir)) == ("tiny", "runs/tiny", "runs/tiny")
+    assert (c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp) == (1, 4, 1)
+    assert c.train.precision == "fp32" and c.model.vocab_size == 4096 and run.microbatches == 2  # 16 / (2 x 4)
+    assert c.parallel.accumulate_unsharded in (True, False)  # "auto" is decided
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.train.steps = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.vocab_size = 1
+    assert cfg.train.micro_batch_size == 2 and cfg.run.dir is None  # the user's config is untouched
+
+
+def test_resume_takes_the_checkpoints_wandb_id_and_the_lock(tmp_path, cache_dir):
+    step = tmp_path / "run" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("step 4\n")
+    (step / "run_state.json").write_text(json.dumps({"wandb_id": "abc123", "cpu_threads": 2}))
+    cfg = load_config(["--data.cache_dir", str(cache_dir), "--run.dir", str(tmp_path / "run")])
+    run = resolve(cfg, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
+    try:
+        assert run.load_from == step and run.cfg.logging.wandb.id == "abc123" and run.run_state["cpu_threads"] == 2
+        assert (tmp_path / "run" / ".lock").is_file()
+        with pytest.raises(RunDirError):  # a second start on the same run dir, while this one holds it
+            resolve(cfg, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
+    finally:
+        run.lock.release()
+    weights = load_config(["--data.cache_dir", str(cache_dir), "--checkpoint.load", str(step),
+                           "--checkpoint.load_weights_only", "true", "--run.dir", str(tmp_path / "new")])
+    run = resolve(weights, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
+    run.lock.release()
+    assert run.load_from == step and run.cfg.logging.wandb.id is None  # a new run: a new W&B run
+
+
+def test_the_refusal_hint_is_a_command_that_fits():
+    """The flags the memory refusal names, given back to the config, resolve to a layout the planner fits."""
+    argv = ["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
+            "--train.precision", "bf16", "--model.vocab_from_tokenizer", "false"]
+    world, usable = WorldInfo(0, 16, 0, 8), 15 * GIB
+    run = resolve(load_config([*argv, "--train.micro_batch_size", "4", "--parallel.fsdp_strategy", "shard_grad_op"]),
+                  world, torch.device("meta"), tokenizer=_Vocabulary(50304), gpu=GPUS["h100"])
+    with pytest.raises(ConfigError) as e:
+        refuse_if_too_big(run.cfg, run.layout, usable, 8, GPUS["h100"], "a 15 GiB GPU")
+    flags = re.search(r"fits: (--.*?) \(\d+\.\d GiB\)", str(e.value)).group(1).split()
+    fixed = resolve(load_config([*argv, *flags]), world, torch.device("meta"), tokenizer=_Vocabulary(50304),
+                    gpu=GPUS["h100"])
+    assert memory(fixed.cfg, fixed.layout)["total_bytes_per_gpu"] <= usable
+    refuse_if_too_big(fixed.cfg, fixed.layout, usable, 8, GPUS["h100"], "a 15 GiB GPU")  # no error
