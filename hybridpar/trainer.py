@@ -109,6 +109,7 @@ class Trainer:
         fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
                          if cfg.train.precision == "bf16" and not fsdp else nullcontext)
+        self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum
         if self.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
             self.loss_context, self.forward_loss = loss_parallel, logits_loss
@@ -191,7 +192,7 @@ class Trainer:
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
-                                              forward_loss=self.forward_loss,
+                                              forward_loss=self.forward_loss, grad_scale=self.grad_scale,
                                               autocast=self.autocast, loss_context=self.loss_context,
                                               stop_now=self._stop_mid_step,
                                               accumulate_unsharded=self.cfg.parallel.accumulate_unsharded)

@@ -32,7 +32,7 @@ from hybridpar.config.cli import ConfigError, load_config
 from hybridpar.config import Config
 from hybridpar.metrics import MetricsLogger
 from hybridpar.models import build_model
-from hybridpar.parallel.distributed import shutdown
+from hybridpar.parallel.distributed import shutdown, world_from_env
 from hybridpar.trainer import start_trainer
 
 

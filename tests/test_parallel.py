@@ -198,11 +198,10 @@ UPDATE_CASES = ([(layout, True, kernel) for layout in LAYOUTS_4 for kernel in ("
 
 
 def _update_worker(rank: int, world: int, init_file: str, cache_dir: str, cases, reference, results) -> None:
+    from dataclasses import replace
+
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from dataclasses import replace
 
     from hybridpar.parallel.distributed import WorldInfo, init_mesh
     from hybridpar.parallel.startup import plain_name

@@ -56,10 +56,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bo
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     # The root's parameters are needed again right after forward (LM head -> loss -> backward): keep them.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)
-    # Each rank's loss is already its share of the global batch's mean (hybridpar.training.microbatch), so the
-    # data-parallel reduction must sum, not average over ranks.
-    for module in [*blocks, model]:
-        module.set_gradient_divide_factor(1.0)
     k = cfg.fsdp_prefetch
     if k > 1:
         for i, block in enumerate(blocks):

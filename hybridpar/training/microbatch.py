@@ -60,6 +60,7 @@ def forward_backward_no_pipelining(
     num_global_tokens: torch.Tensor,
     device: torch.device,
     forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = logits_loss,
+    grad_scale: float = 1.0,
     autocast=nullcontext,
     loss_context=nullcontext,
     stop_now: Callable[[], bool] = lambda: False,
@@ -73,6 +74,9 @@ def forward_backward_no_pipelining(
         num_global_tokens: target tokens of the whole global batch, all ranks together (a device tensor: no host sync).
         device: where to move each microbatch.
         forward_loss: (model, inputs, targets) -> summed token loss: logits_loss or chunked_loss.
+        grad_scale: multiplies the backward loss; FSDP averages gradients over the dp ranks, so the trainer passes
+            dp_size to turn that average into the sum the global mean needs. (FSDP2's set_gradient_divide_factor(1)
+            would say it once at wrap time, but it reduces with PREMUL_SUM, which gloo does not have.)
         autocast: a context-manager factory for mixed precision (around the forward and the loss).
         loss_context: a context-manager factory around loss and backward (tensor parallelism's loss_parallel).
         stop_now: asked after each microbatch but the last; True raises StopMidStep (the step is abandoned).
@@ -96,7 +100,7 @@ def forward_backward_no_pipelining(
         with loss_context():
             with autocast():
                 loss = forward_loss(model, x, y) / num_global_tokens
-            loss.backward()
+            (loss * grad_scale).backward()
         loss = loss.detach()
         total += loss.to_local() if hasattr(loss, "to_local") else loss  # a replicated DTensor under loss_parallel
         if not last and stop_now():
