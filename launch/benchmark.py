@@ -13,7 +13,6 @@ step. Nothing is written but the --json file.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import shutil
@@ -21,14 +20,16 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Literal, Optional
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hybridpar.config.cli import ConfigError, load_config
+from hybridpar.config.cli import ConfigError, parse_command
+from hybridpar.models.config import doc
 from hybridpar.config import Config
 from hybridpar.metrics import MetricsLogger
 from hybridpar.models import build_model
@@ -146,17 +147,23 @@ def bench_plain(cfg, device: torch.device, warmup: int, steps: int) -> float:
     return t.global_batch_size * t.seq_len / statistics.median(times)
 
 
+@dataclass(frozen=True)
+class Options:
+    warmup: int = doc(3, "steps run before timing (allocation, kernel selection, compile)")
+    steps: int = doc(10, "timed steps; the median step time is reported")
+    json: Optional[str] = doc(None, "also write the result to this JSON file")
+    baseline: Literal["none", "plain"] = doc("none", "plain: the same model and batch in a plain PyTorch loop")
+
+
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=True)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--baseline", choices=["none", "plain"], default="none")
-    a, rest = p.parse_known_args(argv)
     try:
+        parsed = parse_command([*argv, "--logging.wandb.mode", "disabled"], Options, __doc__.split("\n\n")[0],
+                               "launch/benchmark.py", config=True)
+        if parsed is None:
+            return 0
+        a, cfg = parsed
         if a.warmup < 0 or a.steps < 1:
             raise ConfigError(f"--warmup {a.warmup} --steps {a.steps}: need warmup >= 0 and steps >= 1")
-        cfg = load_config(rest + ["--logging.wandb.mode", "disabled"])
         if a.baseline == "plain" and world_from_env().world_size > 1:
             raise ConfigError("--baseline plain measures one device: run it without torchrun")
         result, device, cfg = bench_hybridpar(cfg, a.warmup, a.steps)
@@ -179,9 +186,9 @@ def cli(argv: list[str]) -> int:
     return 0
 
 
-def _write(result: dict, path: Path | None) -> None:
+def _write(result: dict, path: str | None) -> None:
     if path is not None:
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,13 +21,17 @@ returns a ready model. transformers is needed for to-hf/from-hf only (pip instal
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Literal, Optional
 
 from hybridpar.checkpoint.dcp import MARKER, CheckpointError, load_full_model_state, resolve_load_path
-from hybridpar.errors import UserError
+from hybridpar.config.cli import parse_command
+from hybridpar.errors import ConfigError, UserError
+from hybridpar.models.config import doc, doc_required
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config
 from hybridpar.checkpoint.safe_load import read_metadata
 
@@ -179,30 +183,47 @@ def to_torch_cmd(a) -> str:
     return f"wrote {a.out}/model.safetensors ({len(metas)} tensors) and config.yaml from {ckpt}"
 
 
+COMMANDS = {"to-hf": ["checkpoint"], "to-torch": ["checkpoint"], "to-megatron": ["checkpoint"],
+            "from-megatron": ["megatron"], "from-hf": ["hf"]}  # and --out, always
+
+
+@dataclass(frozen=True)
+class Options:
+    command: Literal["to-hf", "to-torch", "to-megatron", "from-megatron", "from-hf"] = doc_required(
+        "what to convert: to-hf / to-torch / to-megatron from a hybridpar checkpoint, from-megatron / from-hf into one")
+    out: Optional[str] = doc(None, "the directory to write (required)")
+    checkpoint: Optional[str] = doc(None, "to-*: a checkpoint directory, or a run directory (its latest)")
+    megatron: Optional[str] = doc(None, "from-megatron: a Megatron-LM save directory (latest_checkpointed_iteration.txt) "
+                                        "or one iter_XXXXXXX directory")
+    hf: Optional[str] = doc(None, "from-hf: a transformers folder (config.json + *.safetensors)")
+    iteration: Optional[int] = doc(None, "to-megatron: the iteration number of the save (default: the checkpoint's "
+                                         "step); from-megatron: which iteration of the save directory (its latest)")
+    overwrite: bool = doc(False, "replace an existing --out")
+
+
+def _parse(argv: list[str]):
+    """The options, with Path values and each command's required flags checked; None after --help."""
+    parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/convert_checkpoint.py",
+                           positional="command")
+    if parsed is None:
+        return None
+    a = parsed[0]
+    for name in ["out", *COMMANDS[a.command]]:
+        if getattr(a, name) is None:
+            raise ConfigError(f"{a.command} needs --{name}; see --help")
+    for name, flags in COMMANDS.items():
+        extra = [f"--{f}" for f in ("checkpoint", "megatron", "hf") if getattr(a, f) is not None and f not in flags]
+        if name == a.command and extra:
+            raise ConfigError(f"{a.command} takes no {', '.join(extra)}; see --help")
+    paths = {k: Path(getattr(a, k)) for k in ("out", "megatron", "hf") if getattr(a, k) is not None}
+    return SimpleNamespace(**{**vars(a), **paths, "cmd": a.command})
+
+
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("to-hf", "to-torch", "to-megatron"):
-        s = sub.add_parser(name)
-        s.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a run directory (its latest)")
-        s.add_argument("--out", type=Path, required=True)
-        s.add_argument("--overwrite", action="store_true")
-        if name == "to-megatron":
-            s.add_argument("--iteration", type=int,
-                           help="iteration number of the save (default: the checkpoint's step)")
-    s = sub.add_parser("from-megatron")
-    s.add_argument("--megatron", type=Path, required=True,
-                   help="a Megatron-LM save directory (latest_checkpointed_iteration.txt) or one iter_XXXXXXX "
-                        "directory")
-    s.add_argument("--iteration", type=int, help="which iteration of the save directory (default: its latest)")
-    s.add_argument("--out", type=Path, required=True)
-    s.add_argument("--overwrite", action="store_true")
-    s = sub.add_parser("from-hf")
-    s.add_argument("--hf", type=Path, required=True, help="a transformers folder: config.json + *.safetensors")
-    s.add_argument("--out", type=Path, required=True)
-    s.add_argument("--overwrite", action="store_true")
-    a = p.parse_args(argv)
     try:
+        a = _parse(argv)
+        if a is None:
+            return 0
         message = {"to-hf": to_hf_cmd, "from-hf": from_hf_cmd, "to-torch": to_torch_cmd,
                    "from-megatron": from_megatron_cmd, "to-megatron": to_megatron_cmd}[a.cmd](a)
     except ImportError as e:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 
+from hybridpar.config.cli import parse_command
+from hybridpar.errors import ConfigError
 from hybridpar.models import count_params, get_model_config, list_models
+from hybridpar.models.config import doc
 
 COLUMNS = ("name", "n_params", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn", "context", "vocab")
 
@@ -26,15 +30,21 @@ def _human(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+@dataclass(frozen=True)
+class Options:
+    json: bool = doc(False, "print the rows as JSON instead of a table")
+
+
 def main(argv: list[str]) -> int:
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    if argv not in ([], ["--json"]):
-        print(f"error: unknown arguments {argv}; use --json or nothing", file=sys.stderr)
+    try:
+        parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/model_zoo.py")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    if parsed is None:
+        return 0
     rows = zoo_rows()
-    if argv == ["--json"]:
+    if parsed[0].json:
         print(json.dumps(rows, indent=1))
         return 0
     table = [COLUMNS] + [tuple(_human(r[c]) if c == "n_params" else str(r[c]) for c in COLUMNS) for r in rows]

@@ -13,48 +13,57 @@ checks that its parameter, gradient and optimizer bytes equal the planner's. Not
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from hybridpar.config.cli import ConfigError, load_config
+from hybridpar.config.cli import ConfigError, parse_command
+from hybridpar.models.config import doc
 from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
 from hybridpar.planning.cost import GIB, GPUS, Layout, memory, step_time
 from hybridpar.planning.layouts import rank_layouts
 from hybridpar.resolve import resolve
 
 
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int = doc(1, "nodes of the planned cluster")
+    gpus_per_node: int = doc(8, "GPUs per node (the bound on tp)")
+    gpu: str = doc("h100", f"GPU type, one of {', '.join(GPUS)}")
+
+
+@dataclass(frozen=True)
+class Options:
+    cluster: Cluster = field(default_factory=Cluster, metadata={"help": "the cluster planned for"})
+    rank: int = doc(0, "the rank whose shards are reported (0 holds the largest)")
+    top: int = doc(10, "how many ranked layouts to list")
+    dry_run: bool = doc(False, "also build the real model for --rank on the meta device and compare its bytes")
+    json: bool = doc(False, "print one JSON object instead of tables")
+
+
 def parse(argv: list[str]):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog="Every other --section.field VALUE (and --config FILE) is a training config "
-                                       "override; python launch/pretrain_gpt.py --help lists them.")
-    p.add_argument("--cluster.nodes", dest="nodes", type=int, default=1)
-    p.add_argument("--cluster.gpus_per_node", dest="gpus_per_node", type=int, default=8)
-    p.add_argument("--cluster.gpu", dest="gpu", default="h100", help=f"one of {', '.join(GPUS)}")
-    p.add_argument("--rank", type=int, default=0, help="the rank whose shards are reported (0 holds the largest)")
-    p.add_argument("--top", type=int, default=10, help="how many ranked layouts to list")
-    p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    a, rest = p.parse_known_args(argv)
-    if a.gpu not in GPUS:
-        raise ConfigError(f"--cluster.gpu {a.gpu!r} is not known; use one of {', '.join(GPUS)}")
-    if a.nodes < 1 or a.gpus_per_node < 1:
-        raise ConfigError(f"--cluster.nodes {a.nodes} --cluster.gpus_per_node {a.gpus_per_node}: both must be >= 1")
-    world = a.nodes * a.gpus_per_node
+    parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/plan.py", config=True)
+    if parsed is None:
+        return None
+    a, cfg = parsed
+    c = a.cluster
+    if c.gpu not in GPUS:
+        raise ConfigError(f"--cluster.gpu {c.gpu!r} is not known; use one of {', '.join(GPUS)}")
+    if c.nodes < 1 or c.gpus_per_node < 1:
+        raise ConfigError(f"--cluster.nodes {c.nodes} --cluster.gpus_per_node {c.gpus_per_node}: both must be >= 1")
+    world = c.nodes * c.gpus_per_node
     if not 0 <= a.rank < world:
         raise ConfigError(f"--rank {a.rank} is outside the world of {world} GPUs; pick 0 <= rank < {world}")
-    cfg = load_config(rest)
     # The model's vocab_size as given (a preset's is padded already); bf16 where unset, as the trainer picks on
     # these GPUs. Then the trainer's own resolve, for rank a.rank of this world, on this GPU type.
     cfg = replace(cfg, model=replace(cfg.model, vocab_from_tokenizer=False),
                   train=replace(cfg.train, precision=cfg.train.precision or "bf16"))
-    world_info = WorldInfo(a.rank, world, a.rank % a.gpus_per_node, a.gpus_per_node)
+    world_info = WorldInfo(a.rank, world, a.rank % c.gpus_per_node, c.gpus_per_node)
     run = resolve(cfg, world_info, torch.device("meta"), tokenizer=_Vocabulary(cfg.model.vocab_size),
-                  gpu=GPUS[a.gpu])
+                  gpu=GPUS[c.gpu])
     return a, run.cfg, run.layout
 
 
@@ -66,11 +75,12 @@ class _Vocabulary:
 
 
 def report(a, cfg, layout: Layout) -> dict:
-    gpu = GPUS[a.gpu]
+    c = a.cluster
+    gpu = GPUS[c.gpu]
     mem = memory(cfg, layout, a.rank)
-    est = step_time(cfg, layout, gpu, a.gpus_per_node)
+    est = step_time(cfg, layout, gpu, c.gpus_per_node)
     usable = gpu.usable_bytes
-    out = {"model": cfg.model.name, "gpu": a.gpu, "nodes": a.nodes, "gpus_per_node": a.gpus_per_node,
+    out = {"model": cfg.model.name, "gpu": c.gpu, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
            "world_size": layout.world, "rank": a.rank, "layout": dict(zip(MESH_AXES, (layout.dp_replicate,
                                                                                      layout.dp_shard, layout.tp))),
            "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
@@ -78,7 +88,7 @@ def report(a, cfg, layout: Layout) -> dict:
            "activation_checkpointing": cfg.train.activation_checkpointing, "fsdp_strategy": cfg.parallel.fsdp_strategy,
            "accumulate_unsharded": cfg.parallel.accumulate_unsharded,
            **mem, "usable_bytes_per_gpu": usable, "fits": mem["total_bytes_per_gpu"] <= usable, **est}
-    out["ranked"], out["top"] = rank_layouts(cfg, layout.world, a.gpus_per_node, gpu, a.top), a.top
+    out["ranked"], out["top"] = rank_layouts(cfg, layout.world, c.gpus_per_node, gpu, a.top), a.top
     return out
 
 
@@ -118,7 +128,10 @@ def print_report(out: dict) -> None:
 
 def main(argv: list[str]) -> int:
     try:
-        a, cfg, layout = parse(argv)
+        parsed = parse(argv)
+        if parsed is None:
+            return 0
+        a, cfg, layout = parsed
         out = report(a, cfg, layout)
         if a.dry_run:
             from hybridpar.planning.dry_run import dry_run

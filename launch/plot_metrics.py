@@ -8,10 +8,14 @@ Needs matplotlib (pip install -e ".[plot]").
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+
+from hybridpar.config.cli import parse_command
+from hybridpar.errors import ConfigError
+from hybridpar.models.config import doc, doc_required
 
 PANELS = [("loss", "train loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_sec", "tokens/s (global)"), ("mfu", "MFU")]
@@ -75,17 +79,23 @@ def plot(run_dirs: list[Path], out: Path) -> None:
     fig.savefig(out, dpi=80)
 
 
+@dataclass(frozen=True)
+class Options:
+    runs: list[str] = doc_required("run directories (each with metrics.jsonl)")
+    out: str = doc("metrics.png", "the image to write")
+
+
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", type=Path, help="run directories (each with metrics.jsonl)")
-    p.add_argument("--out", type=Path, default=Path("metrics.png"))
-    a = p.parse_args(argv)
     try:
-        plot(a.runs, a.out)
+        parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/plot_metrics.py", positional="runs")
+        if parsed is None:
+            return 0
+        a, _ = parsed
+        plot([Path(r) for r in a.runs], Path(a.out))
     except ImportError:
         print('error: plotting needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return 2
-    except MetricsError as e:
+    except (MetricsError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"wrote {a.out}")

@@ -10,31 +10,38 @@ document per file (or per blank-line block with --blank-line-docs). Prints progr
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.data.indexed import DataError, bin_path, idx_path
 from hybridpar.data.preprocess import InputStats, iter_documents, preprocess
 from hybridpar.data.tokenizer import load_tokenizer
+from hybridpar.errors import UserError
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="input files (.jsonl[.gz|.zst], .json, or text)")
-    p.add_argument("--json-key", default="text", help="key of the document text in each JSON line")
-    p.add_argument("--tokenizer", required=True, help="bytes, bpe:PATH, gpt2:DIR or sentencepiece:MODEL")
-    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    p.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                   help="end each document with the tokenizer's end-of-document token")
-    p.add_argument("--blank-line-docs", action="store_true", help="text files: one document per blank-line block")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing PREFIX.bin/.idx")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse a JSON record whose text is null or not a string (otherwise skipped and counted)")
-    a = p.parse_args(argv)
+    # Imported here: the tokenizer workers (spawned) import this module, and need neither torch nor the parser.
+    from hybridpar.config.cli import parse_command
+    from hybridpar.models.config import doc, doc_required
+
+    @dataclass(frozen=True)
+    class Options:
+        input: list[str] = doc_required("input files (.jsonl[.gz|.zst], .json, or text)")
+        tokenizer: str = doc_required("bytes, bpe:PATH, gpt2:DIR or sentencepiece:MODEL")
+        output_prefix: str = doc_required("writes PREFIX.bin and PREFIX.idx")
+        json_key: str = doc("text", "key of the document text in each JSON line")
+        workers: int = doc(1, "tokenizer processes")
+        append_eod: bool = doc(True, "end each document with the tokenizer's end-of-document token (--no-append-eod: not)")
+        blank_line_docs: bool = doc(False, "text files: one document per blank-line block")
+        overwrite: bool = doc(False, "replace an existing PREFIX.bin/.idx")
+        strict: bool = doc(False, "refuse a JSON record whose text is null or not a string (otherwise skipped and counted)")
+
     try:
+        parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/preprocess_data.py")
+        if parsed is None:
+            return 0
+        a, _ = parsed
         if a.workers < 1:
             raise DataError(f"--workers {a.workers}: give at least 1")
         if a.tokenizer.startswith("train-bpe"):
@@ -51,7 +58,7 @@ def cli(argv: list[str]) -> int:
         docs = iter_documents(a.input, a.json_key, a.blank_line_docs, strict=a.strict, stats=stats)
         summary = preprocess(docs, a.tokenizer, a.output_prefix, workers=a.workers, append_eod=a.append_eod,
                              progress=True, tokenizer=tokenizer)
-    except DataError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if stats.skipped:

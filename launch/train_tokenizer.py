@@ -9,28 +9,35 @@ Reads the same inputs as launch/preprocess_data.py, streaming.
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from hybridpar.config.cli import parse_command
 from hybridpar.data.indexed import DataError
 from hybridpar.data.preprocess import InputStats, iter_documents
 from hybridpar.data.tokenizer import train_bpe
+from hybridpar.errors import UserError
+from hybridpar.models.config import doc, doc_required
+
+
+@dataclass(frozen=True)
+class Options:
+    input: list[str] = doc_required("input files (.jsonl[.gz|.zst], .json, or text)")
+    output: str = doc_required("tokenizer.json to write")
+    json_key: str = doc("text", "key of the document text in each JSON line")
+    vocab_size: int = doc(32000, "tokens, including the byte alphabet")
+    blank_line_docs: bool = doc(False, "text files: one document per blank-line block")
+    overwrite: bool = doc(False, "replace an existing --output")
+    strict: bool = doc(False, "refuse a JSON record whose text is null or not a string (otherwise skipped and counted)")
 
 
 def cli(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="input files (.jsonl[.gz|.zst], .json, or text)")
-    p.add_argument("--json-key", default="text", help="key of the document text in each JSON line")
-    p.add_argument("--vocab-size", type=int, default=32000, help="tokens, including the byte alphabet")
-    p.add_argument("--output", required=True, help="tokenizer.json to write")
-    p.add_argument("--blank-line-docs", action="store_true", help="text files: one document per blank-line block")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument("--strict", action="store_true",
-                   help="refuse a JSON record whose text is null or not a string (otherwise skipped and counted)")
-    a = p.parse_args(argv)
     try:
+        parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/train_tokenizer.py")
+        if parsed is None:
+            return 0
+        a, _ = parsed
         if a.vocab_size < 512:
             raise DataError(f"--vocab-size {a.vocab_size}: give at least 512 (256 bytes + merges)")
         if Path(a.output).exists() and not a.overwrite:
@@ -45,7 +52,7 @@ def cli(argv: list[str]) -> int:
             raise DataError(f"--input {' '.join(a.input)} holds no documents: nothing to train on")
         Path(a.output).parent.mkdir(parents=True, exist_ok=True)
         tok.save(a.output)
-    except DataError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if stats.skipped:

@@ -19,6 +19,11 @@ def doc(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+def doc_required(help: str):
+    """A dataclass field with no default (a launcher's required flag), with its one-line docstring."""
+    return field(metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = doc("tiny", "zoo preset to start from; the other model fields override it")

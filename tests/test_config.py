@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import typing
 
@@ -10,7 +12,9 @@ import yaml
 
 from conftest import ROOT, run_cli
 from hybridpar.config import Config
-from hybridpar.config.cli import ConfigError, all_keys, config_from_dict, dump_yaml, help_text, load_config
+from hybridpar.config.cli import (ConfigError, all_keys, config_from_dict, dump_yaml, help_text, load_config,
+                                  parse_command)
+from hybridpar.models.config import doc, doc_required
 
 REQUIRED_KEYS = ["model.name", "train.steps", "train.micro_batch_size", "train.global_batch_size", "train.seq_len",
                  "train.seed", "run.dir", "logging.interval", "parallel.tp", "parallel.dp_shard",
@@ -140,3 +144,40 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "did you mean train.steps" in out.stderr
     assert "Traceback" not in out.stderr and not run_dir.exists()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cluster:
+    nodes: int = doc(1, "nodes")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    mode: typing.Literal["a", "b"] = doc_required("what to do")
+    input: list[str] = doc_required("files")
+    json_key: str = doc("text", "key")
+    append_eod: bool = doc(True, "end documents")
+    limit: typing.Optional[int] = doc(None, "at most")
+    cluster: _Cluster = dataclasses.field(default_factory=_Cluster)
+
+
+def test_one_parser_for_every_launcher():
+    """parse_command: a launcher's own flags (a dataclass), the training config's overrides beside them, and the
+    same one-line errors; no launcher keeps a parser of its own."""
+    a, cfg = parse_command(["b", "--input", "x", "y", "--json-key=body", "--no-append-eod", "--cluster.nodes", "4",
+                            "--train.steps", "7", "--logging.tensorboard"], _Options, "", "t.py", config=True,
+                           positional="mode")
+    assert (a.mode, a.input, a.json_key, a.append_eod, a.limit, a.cluster.nodes) == ("b", ["x", "y"], "body", False,
+                                                                                     None, 4)
+    assert cfg.train.steps == 7 and cfg.logging.tensorboard is True
+    for argv, message in [(["a", "--inptu", "x"], "unknown flag '--inptu'; did you mean --input,"),
+                          (["a"], "--input is required; see --help"),
+                          (["c", "--input", "x"], "'c' is not a mode; use one of a, b"),
+                          (["a", "--input", "x", "--limit", "many"], "--limit='many' is not a valid int"),
+                          (["a", "--input", "x", "--trian.steps", "1"], "unknown flag '--trian.steps'; did you mean "
+                                                                        "--train.steps"),
+                          (["a", "--input", "x", "--train.stpes", "1"], "unknown config key 'train.stpes'")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_command(argv, _Options, "", "t.py", config=True, positional="mode")
+    launchers = sorted((ROOT / "launch").glob("*.py"))
+    assert len(launchers) == 8 and not [p.name for p in launchers if "argparse" in p.read_text()]

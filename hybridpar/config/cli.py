@@ -1,7 +1,10 @@
-"""Config from YAML files and `--section.field VALUE` overrides, with errors that name the value and the fix.
+"""The one command-line parser of every launcher, and the config from YAML files and `--section.field VALUE`
+overrides, with errors that name the value and the fix (one line, with a did-you-mean for unknown flags).
 
-Precedence, lowest first: dataclass defaults, the `model.name` preset, the `--config` YAML file, the command line.
-The resolved config dumps to YAML that is itself a valid `--config` file.
+Config precedence, lowest first: dataclass defaults, the `model.name` preset, the `--config` YAML file, the command
+line. The resolved config dumps to YAML that is itself a valid `--config` file. A launcher's own flags are a
+dataclass of doc() fields too (parse_command): top-level fields are spelt with dashes (--json-key), nested ones
+dotted (--cluster.gpus_per_node), as the launchers always spelt them.
 """
 
 from __future__ import annotations
@@ -105,10 +108,10 @@ def _convert(key: str, value: Any, tp) -> Any:
     raise fail
 
 
-def _unknown(key: str, valid: list[str]) -> ConfigError:
+def _unknown(key: str, valid: list[str], what: str = "config key") -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     hint = f"did you mean {', '.join(close)}?" if close else "see --help for the valid names"
-    return ConfigError(f"unknown config key {key!r}; {hint}")
+    return ConfigError(f"unknown {what} {key!r}; {hint}")
 
 
 def all_keys(cls=Config, prefix: str = "") -> list[str]:
@@ -123,7 +126,7 @@ def all_keys(cls=Config, prefix: str = "") -> list[str]:
     return keys
 
 
-def _build(cls, values: dict, prefix: str):
+def _build(cls, values: dict, prefix: str, valid=all_keys):
     """Instantiate dataclass `cls` from a nested dict whose leaves are YAML values or CLI strings."""
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {values!r}")
@@ -131,16 +134,113 @@ def _build(cls, values: dict, prefix: str):
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            raise _unknown(prefix + key, all_keys())
+            raise _unknown(prefix + key, valid())
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.")
+            kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.", valid)
         else:
             kwargs[key] = _convert(prefix + key, value, tp)
     try:
         return cls(**kwargs)
+    except TypeError:  # a required field of a launcher's options
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        raise ConfigError(f"{_flag(prefix + missing[0])} is required; see --help") from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _flag(key: str) -> str:
+    """How a launcher option is spelt: --json-key for a top-level field, --cluster.gpus_per_node when nested."""
+    key = key.removeprefix("--")
+    return "--" + (key if "." in key else key.replace("_", "-"))
+
+
+def _field_type(cls, dotted: str):
+    for part in dotted.split(".")[:-1]:
+        cls = _hints(cls)[part]
+    return _hints(cls).get(dotted.split(".")[-1])
+
+
+def parse_command(argv: list[str], options: type, about: str, prog: str, config: bool = False,
+                  positional: str | None = None):
+    """A launcher's command line: its own flags (the dataclass `options`: list fields take every value up to the
+    next flag, a bool flag alone is true and --no-FLAG false, a field without a default is required) and, with
+    config, every other --section.field and --config as training-config overrides. Words that are not flags go
+    to the field `positional`. Returns (options, Config or None), or None after printing --help."""
+    if "-h" in argv or "--help" in argv:
+        print(command_help(options, about, prog, config, positional))
+        return None
+    keys = {k.replace("_", "-") if "." not in k else k: k for k in all_keys(options)}
+    tree, rest, i = {}, [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if not arg.startswith("--"):
+            if positional is None:
+                raise ConfigError(f"unexpected argument {arg!r}; flags look like --name VALUE (see --help)")
+            many = typing.get_origin(_field_type(options, positional)) is list
+            tree[positional] = [*tree.get(positional, []), _CliValue(arg)] if many else _CliValue(arg)
+            continue
+        name, eq, value = arg[2:].partition("=")
+        key = keys.get(name) or keys.get(name.replace("_", "-"))
+        negated = keys.get(name[3:]) if name.startswith("no-") and not eq else None
+        if negated and _field_type(options, negated) is bool:
+            _set(tree, negated, _CliValue("false"))
+            continue
+        if key is None:
+            sections = {f.name for f in dataclasses.fields(Config)}
+            if not config or name != "config" and name.split(".")[0] not in sections:
+                flags = sorted(map(_flag, keys)) + ([f"--{k}" for k in all_keys()] if config else [])
+                raise _unknown(f"--{name}", flags, "flag")
+            rest.append(arg)  # a training-config override, with its value when it takes one
+            if not eq and i < len(argv) and not argv[i].startswith("--") and not (name in all_keys()
+                                                                                 and _is_bool(name)):
+                rest.append(argv[i])
+                i += 1
+            continue
+        tp = _field_type(options, key)
+        if eq:
+            values = [value]
+        elif tp is bool and (i == len(argv) or argv[i].startswith("--")):
+            values = ["true"]
+        else:
+            values = []
+            while i < len(argv) and not argv[i].startswith("--") and (not values or typing.get_origin(tp) is list):
+                values.append(argv[i])
+                i += 1
+            if not values:
+                raise ConfigError(f"{_flag(key)} needs a value")
+        _set(tree, key, [_CliValue(v) for v in values] if typing.get_origin(tp) is list else _CliValue(values[0]))
+    if positional and positional not in tree and next(
+            f for f in dataclasses.fields(options) if f.name == positional).default is dataclasses.MISSING:
+        raise ConfigError(f"give the {positional.upper()} argument; see --help")
+    choices = typing.get_args(_field_type(options, positional)) if positional else ()
+    if positional in tree and typing.get_origin(_field_type(options, positional)) is Literal and \
+            tree[positional] not in choices:
+        raise ConfigError(f"{tree[positional]!r} is not a {positional}; use one of {', '.join(choices)}")
+    return _build(options, tree, "--", lambda: sorted(map(_flag, keys))), load_config(rest) if config else None
+
+
+def command_help(options: type, about: str, prog: str, config: bool, positional: str | None) -> str:
+    many = positional and typing.get_origin(_field_type(options, positional)) is list
+    lines = [f"usage: python {prog}" + (f" {positional.upper()}{'...' if many else ''}" if positional else "")
+             + " [--flag VALUE ...]"
+             + (" [--config FILE] [--section.field VALUE ...]" if config else ""), "", about, ""]
+    for key in all_keys(options):
+        tp = _field_type(options, key)
+        f = next(f for f in dataclasses.fields(options) if f.name == key.split(".")[0])
+        if "." in key:
+            sub = _hints(options)[key.split(".")[0]]
+            f = next(g for g in dataclasses.fields(sub) if g.name == key.split(".")[1])
+        default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
+            else f"default: {f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
+        name = key.upper() if key == positional else _flag(key) + (" [BOOL]" if tp is bool else
+                                                                    f" {_type_name(tp).upper()}")
+        lines += [f"  {name}", f"      {f.metadata.get('help', '')} ({default})"]
+    if config:
+        lines += ["", "Every other --section.field VALUE (and --config FILE) is a training config override; python "
+                      "launch/pretrain_gpt.py --help lists them."]
+    return "\n".join(lines)
 
 
 def _build_model(values: dict) -> ModelConfig:
