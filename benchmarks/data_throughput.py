@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hybridpar.config.cli import load_config
 from hybridpar.data.corpus import load_builtin_corpus
-from hybridpar.data.dataset import prepare_builtin
+from hybridpar.data.dataset import load_data_tokenizer
 from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend
 from hybridpar.data.preprocess import iter_documents, preprocess
 from hybridpar.data.tokenizer import load_tokenizer
@@ -34,7 +34,7 @@ def main() -> None:
     a = p.parse_args()
     cache = Path(os.path.expanduser("~/.cache/hybridpar"))
     docs, _ = load_builtin_corpus(cache)
-    _, bpe, _ = prepare_builtin(load_config([]), cache)
+    bpe = load_data_tokenizer(load_config([]).data)  # the default run's train-bpe:4096
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         bpe.save(tmp)

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridpar.config import Config
+from hybridpar.config import Config, ProfileConfig
 from hybridpar.errors import ConfigError
 
 
@@ -122,3 +122,33 @@ def compile_summary() -> str:
     if breaks:
         line += " | breaks: " + "; ".join(f"{reason} (x{n})" for reason, n in breaks.most_common(3))
     return line
+
+
+class StepProfiler:
+    """torch.profiler over a range of steps (profile.steps), and with profile.memory_snapshot on CUDA the memory
+    history of those steps: a Chrome trace per rank (Perfetto, chrome://tracing, TensorBoard) under `out`."""
+
+    def __init__(self, cfg: ProfileConfig, device, out: Path, rank: int):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        self.memory = cfg.memory_snapshot and device.type == "cuda"
+        self.out, self.rank = out, rank
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.profiler = profile(activities=activities, record_shapes=True)
+        self.profiler.__enter__()
+        if self.memory:
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+
+    def stop(self, steps: tuple[int, int]) -> str:
+        """Write the trace (and snapshot); returns the console line saying where."""
+        import torch
+
+        self.profiler.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        name = f"rank{self.rank}.steps{steps[0]}-{steps[1]}"
+        self.profiler.export_chrome_trace(str(self.out / f"{name}.pt.trace.json"))
+        if self.memory:
+            torch.cuda.memory._dump_snapshot(str(self.out / f"{name}.memory.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        return f"profile of steps {steps[0]}-{steps[1]} written to {self.out}"

@@ -165,7 +165,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         cfg = replace(cfg, train=replace(train, micro_batch_size=micro_batch_size_for(cfg, layout.dp)))
         usable = gpu.usable_bytes if gpu is not None else _min_over_ranks(usable_bytes(device), device)  # 7
         cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=choose_accumulation(cfg, layout, usable)))
-        if gpu is None and device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, before allocating anything
+        if gpu is None and device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, now
             name = torch.cuda.get_device_name(device)
             refuse_if_too_big(cfg, layout, usable, node, gpu_by_name(name), name)
     except BaseException:

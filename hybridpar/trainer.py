@@ -29,12 +29,12 @@ from hybridpar.config import Config
 from hybridpar.data.dataset import build_training_data
 from hybridpar.planning.flops import flops_per_token, peak_tflops
 from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, pick_device, set_numerics, start_process_group,
-                                           world_from_env)
+                                            world_from_env)
 from hybridpar.resolve import Run, resolve
 from hybridpar.training.lr_schedule import lr_at
-from hybridpar.metrics import MetricsLogger, compile_summary
-from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens, forward_backward_no_pipelining,
-                                  logits_loss)
+from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary
+from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens,
+                                           forward_backward_no_pipelining, logits_loss)
 from hybridpar.models import count_params
 from hybridpar.training.optim import build_optimizer, clip_grad_norm
 from hybridpar.training.sampling import generate
@@ -130,6 +130,14 @@ class Trainer:
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+    def open_log(self, enabled: bool, config_dict: dict | None = None) -> None:
+        """Open the metrics logger into the run dir (fit() opens one, enabled on rank 0, when none is open)."""
+        self.log = MetricsLogger(self.cfg, self.run_dir, enabled=enabled, config_dict=config_dict)
+
+    def request_stop(self, signum: int) -> None:
+        """Stop at the end of this step, or after this microbatch when nothing would be saved (a signal handler)."""
+        self.stop_requested, self.stop_signal = True, signum
 
     # -- what a checkpoint keeps of the loop (hybridpar.checkpoint.dcp saves and restores it) ------------------
     def state_dict(self) -> dict[str, int]:
@@ -269,7 +277,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         if self.log is None:
-            self.log = MetricsLogger(cfg, self.run_dir, enabled=self.rank == 0)
+            self.open_log(enabled=self.rank == 0)
         result = TrainResult(unigram_loss=self.data.unigram_loss)
         tokens_per_step = t.global_batch_size * t.seq_len
         self.log.print(
@@ -295,7 +303,7 @@ class Trainer:
         profile_range, profiler = cfg.profile.range, None
         while self.step < t.steps:
             if profile_range and self.step + 1 == profile_range[0]:
-                profiler = self._start_profiler()
+                profiler = StepProfiler(cfg.profile, self.device, self.run_dir / "profile", self.rank)
             loss, grad_norm, lr = self.train_step(self.step)
             self.step += 1
             done = self.step == t.steps
@@ -310,7 +318,7 @@ class Trainer:
             if self.step == first_step and t.compile:
                 self.say(compile_summary())
             if profiler is not None and self.step == profile_range[1]:
-                self._stop_profiler(profiler, profile_range)
+                self.log.print(profiler.stop(profile_range))
                 profiler = None
             if log_now or stop:
                 loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
@@ -367,27 +375,6 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.data_wait_seconds = 0.0
         return row
-
-    def _start_profiler(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
-        profiler = profile(activities=activities, record_shapes=True)
-        profiler.__enter__()
-        if self.cfg.profile.memory_snapshot and self.device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
-        return profiler
-
-    def _stop_profiler(self, profiler, steps: tuple[int, int]) -> None:
-        profiler.__exit__(None, None, None)
-        out = self.run_dir / "profile"
-        out.mkdir(parents=True, exist_ok=True)
-        name = f"rank{self.rank}.steps{steps[0]}-{steps[1]}"
-        profiler.export_chrome_trace(str(out / f"{name}.pt.trace.json"))  # Perfetto / chrome://tracing / TensorBoard
-        if self.cfg.profile.memory_snapshot and self.device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(str(out / f"{name}.memory.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
-        self.log.print(f"profile of steps {steps[0]}-{steps[1]} written to {out}")
 
     def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
         tok = self.tokenizer

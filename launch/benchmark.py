@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from hybridpar.config.cli import ConfigError, parse_command
 from hybridpar.models.config import doc
 from hybridpar.config import Config
-from hybridpar.metrics import MetricsLogger
 from hybridpar.models import build_model
 from hybridpar.parallel.distributed import shutdown, world_from_env
 from hybridpar.trainer import start_trainer
@@ -65,7 +64,7 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, C
                   run=replace(cfg.run, dir=str(tmp)))
     trainer = start_trainer(cfg)  # the trainer's own start-up path, on a run dir nothing is written into
     cfg, device, mesh = trainer.cfg, trainer.device, trainer.mesh
-    trainer.log = MetricsLogger(cfg, tmp, enabled=False)
+    trainer.open_log(enabled=False)
     marks = _Marks(device)
     opt_marks: list = []  # (pre, post) per optimizer step
     trainer.optimizer.register_step_pre_hook(lambda *_: opt_marks.append([marks.mark()]))

@@ -20,7 +20,6 @@ from hybridpar.checkpoint.dcp import CheckpointHook, Checkpointer
 from hybridpar.config import Config
 from hybridpar.config.cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.errors import UserError
-from hybridpar.metrics import MetricsLogger
 from hybridpar.parallel.distributed import shutdown
 from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult, start_trainer
 from hybridpar.training.microbatch import StopMidStep
@@ -63,7 +62,7 @@ def _install_signal_handlers(trainer: Trainer) -> None:
             os._exit(EXIT_ABORTED)
         print(f"signal {signal.Signals(signum).name}: stopping " + ("after this step, with a checkpoint" if saving else
               "after the current microbatch (no checkpoint: checkpoint.interval 0)"), file=sys.stderr, flush=True)
-        trainer.stop_requested, trainer.stop_signal = True, signum
+        trainer.request_stop(signum)
 
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, handler)
@@ -106,7 +105,7 @@ def main(cfg: Config) -> TrainResult:
                 (run_dir / "metrics.jsonl").unlink(missing_ok=True)
             (run_dir / "config.yaml").write_text(dump_yaml(cfg))
             trainer.tokenizer.save(run_dir)
-            trainer.log = MetricsLogger(cfg, run_dir, enabled=True, config_dict=to_dict(cfg))
+            trainer.open_log(enabled=True, config_dict=to_dict(cfg))
             trainer.log.print(f"run dir {run_dir}")
             if load_from is not None:
                 what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import difflib
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from .gpt import GPT
 from .presets import GPT3_PAPER_PARAMS, PRESETS
 
 __all__ = ["GPT", "ModelConfig", "GPT3_PAPER_PARAMS", "list_models", "get_model_config", "build_model",
-           "count_params", "load_pretrained"]
+           "count_params", "load_pretrained", "named_like_its_preset"]
 
 
 def list_models() -> list[str]:
@@ -36,6 +37,19 @@ def get_model_config(name: str, **overrides) -> ModelConfig:
     if bad:
         raise ValueError(f"unknown model field(s) {bad}; valid: {', '.join(MODEL_FIELDS)}")
     return ModelConfig(**{**PRESETS[name], **overrides, "name": name})
+
+
+def named_like_its_preset(config: ModelConfig) -> ModelConfig:
+    """`config` named after the zoo preset with its shape (layers, widths, heads, norm, positions, MLP, biases,
+    tying), when there is one; else as it is. An imported model then says what it is (a 1.3B GPT-3 is
+    gpt3-1.3b, not the family's first preset)."""
+    shape = ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "norm", "position", "mlp", "gelu_approx", "bias",
+             "attn_bias", "ln_bias", "tie_embeddings")
+    for name in PRESETS:
+        preset = get_model_config(name)
+        if all(getattr(preset, f) == getattr(config, f) for f in shape):
+            return replace(config, name=name)
+    return config
 
 
 def build_model(config: ModelConfig, device: torch.device | str = "meta", init: bool = True, seed: int = 0) -> GPT:

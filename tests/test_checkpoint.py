@@ -17,7 +17,7 @@ import torch
 
 from conftest import ROOT, loss_curve, run_cli, step_rows, user_env
 from hybridpar.checkpoint.dcp import (CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints,
-                                  load_full_model_state, read_trainer_state, resolve_load_path, step_of)
+                                      load_full_model_state, read_trainer_state, resolve_load_path, step_of)
 
 STEPS = 8
 COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",

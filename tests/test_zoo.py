@@ -177,3 +177,14 @@ def test_fused_loss_in_bf16_is_the_plain_path_rounded_alike():
     fused = model(x, targets=y, loss_chunk_tokens=50)
     assert fused.dtype == torch.float32
     assert abs(fused.item() - plain.item()) <= 1e-5 * plain.item()  # same bf16 logits, fp32 softmax
+
+
+def test_an_imported_model_is_named_after_the_preset_of_its_shape():
+    from dataclasses import replace
+
+    from hybridpar.models import named_like_its_preset
+
+    big = replace(get_model_config("gpt3-1.3b"), name="gpt2-124m", ffn_hidden_size=4 * 2048, vocab_size=50257)
+    assert named_like_its_preset(big).name == "gpt3-1.3b"  # explicit widths equal to the preset's derived ones
+    odd = replace(get_model_config("gpt3-1.3b"), name="gpt2-124m", n_layers=7)
+    assert named_like_its_preset(odd).name == "gpt2-124m"  # no preset has 7 layers of 2048: kept

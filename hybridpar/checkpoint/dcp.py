@@ -17,8 +17,9 @@ Layout of a run directory:
 
 Only tensors and the optimizer's plain hyper-parameters are stored; nothing read back can run code (see
 hybridpar/checkpoint/safe_load.py: an explicit allow-list for DCP's .metadata pickle, weights-only unpickling for
-byte entries, shard names and lengths checked before any read). A checkpoint is used only once COMPLETE exists, so a save cut off at any instant leaves the previous checkpoint the latest one. Older checkpoints are
-deleted only after a newer one is complete. RNG: the trainer re-seeds from (seed, step) at every step, so
+byte entries, shard names and lengths checked before any read). A checkpoint is used only once COMPLETE exists,
+so a save cut off at any instant leaves the previous checkpoint the latest one. Older checkpoints are deleted only
+after a newer one is complete. RNG: the trainer re-seeds from (seed, step) at every step, so
 there is no generator state to carry and a resume draws exactly the random numbers the uninterrupted run drew.
 """
 
@@ -40,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from hybridpar.checkpoint.resume_checks import check_model_config, data_changes
-from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader, exceptions_in,
-                                 read_metadata, unwrap_checkpoint_exception)
+from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader,
+                                            exceptions_in, read_metadata, unwrap_checkpoint_exception)
 
 STEP_PREFIX = "step_"
 MARKER = "COMPLETE"

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hybridpar.errors import CheckpointError
-from hybridpar.models import ModelConfig
+from hybridpar.models import ModelConfig, named_like_its_preset
 
 GPT2_KEYS = dict(norm="layernorm", position="learned", mlp="gelu", gelu_approx="tanh", bias=True,
                  tie_embeddings=True)
@@ -188,13 +188,15 @@ def _from_hf(c: dict, hf: dict, hf_dir: Path) -> tuple[ModelConfig, dict[str, to
     fields = {ours: c[theirs] for ours, theirs in CONFIG_FIELDS[fam] if theirs in c and c[theirs] is not None}
     if fam == "gpt2":
         fields.setdefault("ffn_hidden_size", 4 * fields["d_model"])
-        cfg = ModelConfig(name="gpt2-124m", dropout=0.0, vocab_from_tokenizer=False, **{**fields, **GPT2_KEYS})
+        cfg = named_like_its_preset(ModelConfig(name="gpt2-124m", dropout=0.0, vocab_from_tokenizer=False,
+                                                **{**fields, **GPT2_KEYS}))
         if "transformer.wte.weight" not in hf:  # saved from GPT2Model (no "transformer." prefix)
             hf = {"transformer." + k: v for k, v in hf.items()}
     else:
         fields.setdefault("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         fields.setdefault("tie_embeddings", False)
-        cfg = ModelConfig(name="gpt-modern-1b", dropout=0.0, vocab_from_tokenizer=False, **{**fields, **LLAMA_KEYS})
+        cfg = named_like_its_preset(ModelConfig(name="gpt-modern-1b", dropout=0.0, vocab_from_tokenizer=False,
+                                                **{**fields, **LLAMA_KEYS}))
         if c.get("head_dim") not in (None, cfg.head_dim):
             raise CheckpointError(f"{hf_dir}: head_dim {c['head_dim']} != hidden_size / heads = {cfg.head_dim}; "
                                   f"hybridpar's GPT needs d_model = n_heads x head_dim")

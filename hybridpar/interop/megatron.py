@@ -30,7 +30,7 @@ import torch
 
 from hybridpar.interop.hf import _halves_to_interleaved, _interleaved_to_halves
 from hybridpar.errors import CheckpointError
-from hybridpar.models import ModelConfig
+from hybridpar.models import ModelConfig, named_like_its_preset
 from hybridpar.checkpoint.safe_load import load_plain_torch_file, read_metadata
 
 # -- tensors: (our names, Megatron name with {i} for the block, how tensor-parallel ranks split it) ---------------
@@ -176,7 +176,7 @@ def config_from_args(args: Namespace, vocab_rows: int) -> ModelConfig:
         raise CheckpointError(f"Megatron-LM argument --normalization={a['normalization']!r} is not supported; "
                               f"hybridpar has LayerNorm and RMSNorm")
     bias = bool(a.get("add_bias_linear", True))
-    return ModelConfig(
+    return named_like_its_preset(ModelConfig(
         name="gpt2-124m" if position == "learned" else "gpt-modern-1b",
         n_layers=a["num_layers"], d_model=hidden, n_heads=heads,
         n_kv_heads=a["num_query_groups"] if a.get("group_query_attention") else heads,
@@ -186,7 +186,7 @@ def config_from_args(args: Namespace, vocab_rows: int) -> ModelConfig:
         rope_theta=float(a.get("rotary_base", 10000)), mlp="swiglu" if a.get("swiglu") else "gelu",
         gelu_approx="tanh" if a.get("openai_gelu") else "none", bias=bias,
         qkv_bias=bias or bool(a.get("add_qkv_bias")), norm_bias=norm == "layernorm", dropout=0.0,
-        tie_embeddings=not a.get("untie_embeddings_and_output_weights", False))
+        tie_embeddings=not a.get("untie_embeddings_and_output_weights", False)))
 
 
 # Megatron-LM training flags and the hybridpar settings they become (docs/checkpoints.md shows this table);

@@ -16,7 +16,7 @@ from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.parallel import uses_fsdp
 from hybridpar.planning.cost import (GIB, GPU, GPUS, RESERVED_GIB, RUNTIME_RESERVE_GIB, Layout, accumulates_unsharded,
-                            memory, microbatches, step_time)
+                                     memory, microbatches, step_time)
 
 
 # -- search --------------------------------------------------------------------------------------------------------
