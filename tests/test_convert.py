@@ -16,7 +16,8 @@ from hybridpar.config.cli import dump_yaml
 from hybridpar.models import build_model, get_model_config, load_pretrained
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.multiprocess]  # every test here starts processes
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.multiprocess]  # every test here starts processes
 
 CONFIGS = {
     "gpt2": dict(name="tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=384, max_seq_len=32),

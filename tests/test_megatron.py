@@ -25,10 +25,12 @@ from hybridpar.checkpoint.safe_load import INERT_CLASSES
 sys.path.insert(0, str(ROOT / "tests"))
 from megatron_harness import ITERATION, token_ids  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.multiprocess]  # every test here starts processes
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+              pytest.mark.multiprocess]  # every test here starts processes
 HARNESS = "tests/megatron_harness.py"
 _spec = importlib.util.spec_from_file_location("convert_cli", ROOT / "launch" / "convert_checkpoint.py")
 convert_cli = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = convert_cli  # its dataclasses look their module up there
 _spec.loader.exec_module(convert_cli)
 
 

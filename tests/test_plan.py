@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import math
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ from hybridpar.planning.shapes import Layout, chunk, local_shapes
 
 _spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = plan_cli  # its dataclasses look their module up there
 _spec.loader.exec_module(plan_cli)
 
 # (model, nodes, gpus per node, layout overrides, rank): 8, 64 and 1,024 ranks; first and last ranks, where the

@@ -85,3 +85,26 @@ def test_the_refusal_hint_is_a_command_that_fits():
                     gpu=GPUS["h100"])
     assert memory(fixed.cfg, fixed.layout)["total_bytes_per_gpu"] <= usable
     refuse_if_too_big(fixed.cfg, fixed.layout, usable, 8, GPUS["h100"], "a 15 GiB GPU")  # no error
+
+
+def test_imports_run_downward():
+    """The package layout is the architecture: each part imports only parts below it (errors and the models zoo at
+    the bottom, the trainer and the interop converters at the top)."""
+    import ast
+
+    from conftest import ROOT
+
+    order = {"errors": 0, "models": 0, "config": 1, "data": 2, "parallel": 2, "metrics": 2, "training": 3,
+             "planning": 4, "checkpoint": 4, "resolve": 5, "trainer": 6, "interop": 6}
+    upward = []
+    for path in sorted((ROOT / "hybridpar").rglob("*.py")):
+        part = path.relative_to(ROOT / "hybridpar").parts[0].removesuffix(".py")
+        if part == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hybridpar."):
+                other = node.module.split(".")[1]
+                if other != part and order[other] >= order[part]:
+                    upward.append(f"{path.relative_to(ROOT)} imports hybridpar.{other}")
+    assert upward == [] and set(order) >= {p.name.removesuffix(".py") for p in (ROOT / "hybridpar").iterdir()
+                                           if p.name not in ("__init__.py", "__pycache__")}

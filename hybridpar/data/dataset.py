@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hybridpar.errors import ConfigError
 from hybridpar.config import DataConfig
 from hybridpar.data.corpus import load_builtin_corpus
-from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend, parse_blend, split_ranges
+from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend, split_ranges
 from hybridpar.data.indexed import IndexedTokens, idx_path
 from hybridpar.data.preprocess import preprocess
 from hybridpar.data.tokenizer import load_tokenizer
@@ -127,9 +127,10 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     if d.path == "builtin":
         path, description = _rank_zero_first(lambda: prepare_builtin(d, tokenizer))
     else:
-        path = d.path
-        description = " + ".join(f"{w:.2f} x {p}" for w, p in parse_blend(path)) if " " in path.strip() else path
+        path, description = d.path, None
     blend, indexes = open_blend(path)
+    if description is None:
+        description = " + ".join(f"{w:.2f} x {p}" for w, p in blend) if len(blend) > 1 else path
     n_valid = t.eval_batches * t.global_batch_size
     sets = build_gpt_datasets(blend, indexes, d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, vocab,
                               {"train": t.steps * t.global_batch_size, "valid": n_valid},
