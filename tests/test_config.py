@@ -164,12 +164,12 @@ class _Options:
 def test_one_parser_for_every_launcher():
     """parse_command: a launcher's own flags (a dataclass), the training config's overrides beside them, and the
     same one-line errors; no launcher keeps a parser of its own."""
-    a, cfg = parse_command(["b", "--input", "x", "y", "--json-key=body", "--no-append-eod", "--cluster.nodes", "4",
-                            "--train.steps", "7", "--logging.tensorboard"], _Options, "", "t.py", config=True,
-                           positional="mode")
+    argv = ["b", "--input", "x", "y", "--json-key=body", "--no-append-eod", "--cluster.nodes", "4", "--train.steps",
+            "7", "--train.compile", "false", "--logging.tensorboard"]
+    a, cfg = parse_command(argv, _Options, "", "t.py", config=True, positional="mode")
     assert (a.mode, a.input, a.json_key, a.append_eod, a.limit, a.cluster.nodes) == ("b", ["x", "y"], "body", False,
                                                                                      None, 4)
-    assert cfg.train.steps == 7 and cfg.logging.tensorboard is True
+    assert cfg.train.steps == 7 and cfg.train.compile is False and cfg.logging.tensorboard is True
     for argv, message in [(["a", "--inptu", "x"], "unknown flag '--inptu'; did you mean --input,"),
                           (["a"], "--input is required; see --help"),
                           (["c", "--input", "x"], "'c' is not a mode; use one of a, b"),

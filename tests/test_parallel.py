@@ -188,11 +188,12 @@ def test_bf16_wraps_a_single_device_model_in_fsdp():
 # (CPU's default), foreach and fused (CUDA's defaults without and with optim.fused), 2 steps of 2 microbatches.
 KERNELS = {"for-loop": ["--optim.fused", "false", "--optim.foreach", "false"],
            "foreach": ["--optim.fused", "false", "--optim.foreach", "true"], "fused": ["--optim.fused", "true"]}
-# Each layout with both of CUDA's kernels (unsharded accumulation), and each FSDP layout once more with sharded
-# accumulation (the kernels in turn); (1, 1, 4) has no FSDP, so one way of accumulating. The for-loop kernel with
-# unsharded accumulation is the curve tests' above.
+# Each layout with the fused kernel (CUDA's default; unsharded accumulation), the foreach kernel where it differs:
+# (1, 1, 4), tensor parallelism without FSDP, holds plain tensors beside DTensors (with FSDP every parameter is a
+# DTensor, one group kind), and each FSDP layout once more with sharded accumulation (the kernels in turn). The
+# for-loop kernel with unsharded accumulation is the curve tests' above.
 LAYOUTS_4 = ((1, 4, 1), (1, 2, 2), (1, 1, 4), (2, 2, 1), (2, 1, 2))
-UPDATE_CASES = ([(layout, True, kernel) for layout in LAYOUTS_4 for kernel in ("foreach", "fused")]
+UPDATE_CASES = ([(layout, True, "fused") for layout in LAYOUTS_4] + [((1, 1, 4), True, "foreach")]
                 + [(layout, False, kernel) for layout, kernel in zip([l for l in LAYOUTS_4 if l[0] * l[1] > 1],
                                                                       ["for-loop", "fused", "foreach", "for-loop"])])
 

@@ -192,9 +192,8 @@ def parse_command(argv: list[str], options: type, about: str, prog: str, config:
             if not config or name != "config" and name.split(".")[0] not in sections:
                 flags = sorted(map(_flag, keys)) + ([f"--{k}" for k in all_keys()] if config else [])
                 raise _unknown(f"--{name}", flags, "flag")
-            rest.append(arg)  # a training-config override, with its value when it takes one
-            if not eq and i < len(argv) and not argv[i].startswith("--") and not (name in all_keys()
-                                                                                 and _is_bool(name)):
+            rest.append(arg)  # a training-config override, with its value unless it is a bare boolean flag
+            if not eq and i < len(argv) and not argv[i].startswith("--"):
                 rest.append(argv[i])
                 i += 1
             continue
