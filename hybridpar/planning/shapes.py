@@ -9,6 +9,8 @@ rank = (rep * dp_shard + shard) * tp + tp_rank. Rank 0 holds the largest shards 
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass, replace
 
@@ -41,7 +43,8 @@ def _tp_dim(style, module: nn.Module, leaf: str) -> int | None:
     return None
 
 
-def param_specs(m: ModelConfig, layers: range | None = None) -> list[ParamSpec]:
+@functools.lru_cache(maxsize=64)  # the layout search asks for the same model's specs for every candidate
+def param_specs(m: ModelConfig, layers: range | None = None) -> tuple[ParamSpec, ...]:
     """Every parameter of hybridpar's GPT (tied ones once), read from the model itself, built on the meta device,
     with the dim the TP plan (hybridpar.parallel.tensor_parallel.gpt_tp_plan) shards it on; `layers` restricts the
     blocks listed (all by default)."""
@@ -62,7 +65,7 @@ def param_specs(m: ModelConfig, layers: range | None = None) -> list[ParamSpec]:
         else:
             style = top.get(module_name)
         specs.append(ParamSpec(name, tuple(p.shape), _tp_dim(style, model.get_submodule(module_name), leaf), index))
-    return specs
+    return tuple(specs)
 
 
 def chunk(n: int, parts: int, index: int) -> int:
