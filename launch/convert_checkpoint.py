@@ -193,8 +193,8 @@ class Options:
         "what to convert: to-hf / to-torch / to-megatron from a hybridpar checkpoint, from-megatron / from-hf into one")
     out: Optional[str] = doc(None, "the directory to write (required)")
     checkpoint: Optional[str] = doc(None, "to-*: a checkpoint directory, or a run directory (its latest)")
-    megatron: Optional[str] = doc(None, "from-megatron: a Megatron-LM save directory (latest_checkpointed_iteration.txt) "
-                                        "or one iter_XXXXXXX directory")
+    megatron: Optional[str] = doc(None, "from-megatron: a Megatron-LM save directory "
+                                        "(latest_checkpointed_iteration.txt) or one iter_XXXXXXX directory")
     hf: Optional[str] = doc(None, "from-hf: a transformers folder (config.json + *.safetensors)")
     iteration: Optional[int] = doc(None, "to-megatron: the iteration number of the save (default: the checkpoint's "
                                          "step); from-megatron: which iteration of the save directory (its latest)")

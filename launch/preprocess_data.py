@@ -32,10 +32,12 @@ def cli(argv: list[str]) -> int:
         output_prefix: str = doc_required("writes PREFIX.bin and PREFIX.idx")
         json_key: str = doc("text", "key of the document text in each JSON line")
         workers: int = doc(1, "tokenizer processes")
-        append_eod: bool = doc(True, "end each document with the tokenizer's end-of-document token (--no-append-eod: not)")
+        append_eod: bool = doc(True, "end each document with the tokenizer's end-of-document token "
+                                     "(--no-append-eod: not)")
         blank_line_docs: bool = doc(False, "text files: one document per blank-line block")
         overwrite: bool = doc(False, "replace an existing PREFIX.bin/.idx")
-        strict: bool = doc(False, "refuse a JSON record whose text is null or not a string (otherwise skipped and counted)")
+        strict: bool = doc(False, "refuse a JSON record whose text is null or not a string (otherwise skipped and "
+                                  "counted)")
 
     try:
         parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/preprocess_data.py")
