@@ -4,7 +4,8 @@ any model is built or any data prepared. The trainer, launch/plan.py, launch/ben
 
 The order (docs/training.md walks it):
  1. run name and dir: run.name (the --config file's name, else the model's), run.dir = runs/<name>
- 2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size
+ 2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size;
+    the sample count (train.steps x global batch) whose index the data layer must hold in memory
  3. precision: bf16 on GPUs that support it, fp32 on the CPU
  4. the run dir's lock (a run owns its dir from here), the checkpoint to load and the W&B id it recorded
  5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple x tp)
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.checkpoint.dcp import latest_checkpoint, resolve_load_path
-from hybridpar.checkpoint.resume_checks import read_run_state
+from hybridpar.checkpoint.resume_checks import read_checkpoint_config, read_run_state
 from hybridpar.checkpoint.run_dir import RunDirLock
 from hybridpar.config import Config
 from hybridpar.data.dataset import load_data_tokenizer
@@ -88,14 +89,20 @@ def _lock(run_dir: Path, rank: int) -> RunDirLock | None:
 
 def _checkpoint_to_load(cfg: Config, run_dir: Path) -> Path | None:
     """checkpoint.load, else the latest complete checkpoint in run.dir (auto-resume). A run dir holding metrics but
-    no checkpoint is not clobbered."""
+    no checkpoint is not clobbered, unless its run saved checkpoints and was stopped before the first one completed
+    (a requeued job, started again by the same command): nothing is lost by starting it over."""
     if cfg.checkpoint.load:
         return resolve_load_path(cfg.checkpoint.load)
     latest = latest_checkpoint(run_dir)
     if latest is None and (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+        saved = ((read_checkpoint_config(run_dir) or {}).get("checkpoint") or {}).get("interval", 0)
+        if isinstance(saved, int) and saved > 0 and cfg.checkpoint.interval > 0:
+            return None  # killed before its first checkpoint: starts over from step 0, its metrics replaced
+        why = ("its run saved none (checkpoint.interval 0)" if isinstance(saved, int) and saved <= 0 else
+               "its run was stopped before its first checkpoint, and this start would save none")
         raise ConfigError(f"run.dir={str(run_dir)!r} already holds a run (metrics.jsonl) without a checkpoint to "
-                          f"continue from (checkpoint.interval 0 saves none); start another run with --run.name NAME, "
-                          f"or replace this one with --run.overwrite true")
+                          f"continue from: {why}; start another run with --run.name NAME, or replace this one with "
+                          f"--run.overwrite true")
     return latest
 
 
@@ -129,6 +136,23 @@ def micro_batch_size_for(cfg: Config, dp: int) -> int:
     return micro
 
 
+# megatron-core builds each split's sample index in memory (about 12 bytes a sample: the sample and shuffle
+# indexes) before the first step; past this a run is refused at once instead of allocating for minutes or looping
+# in megatron-core's epoch count (train.steps 1e8 x batch 32 wanted 6.8 GiB and then raised MemoryError).
+SAMPLE_INDEX_BYTES, SAMPLE_INDEX_LIMIT = 12, 8 * 2**30
+
+
+def check_sample_count(cfg: Config) -> None:
+    t = cfg.train
+    samples = t.steps * t.global_batch_size
+    if samples * SAMPLE_INDEX_BYTES > SAMPLE_INDEX_LIMIT:
+        most = SAMPLE_INDEX_LIMIT // SAMPLE_INDEX_BYTES // t.global_batch_size
+        raise ConfigError(f"train.steps={t.steps} x train.global_batch_size={t.global_batch_size} = {samples:,} "
+                          f"samples, whose index would take {samples * SAMPLE_INDEX_BYTES / 2**30:,.1f} GiB of every "
+                          f"rank's memory (at most {SAMPLE_INDEX_LIMIT / 2**30:.0f} GiB); use --train.steps {most} "
+                          f"or fewer")
+
+
 def precision_for(cfg: Config, device: torch.device) -> str:
     if cfg.train.precision is not None:
         return cfg.train.precision
@@ -147,6 +171,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     node = world.local_world_size if gpu is not None else gpus_per_node(device, world)
     dp_replicate, dp_shard, tp = resolve_degrees(cfg.parallel, world.world_size, world.local_world_size)  # 2
     layout = Layout(dp_replicate, dp_shard, tp)
+    check_sample_count(cfg)
     parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     train = replace(cfg.train, precision=precision_for(cfg, device))  # 3
     lock = _lock(run_dir, world.rank) if own_run_dir else None  # 4

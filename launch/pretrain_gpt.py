@@ -99,6 +99,7 @@ def main(cfg: Config) -> TrainResult:
             return TrainResult()
         if world.rank == 0:  # only now, with every input checked, does the run write anything
             run.lock.keep_dirs()
+            restarted = not resumed and (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite
             if resumed:
                 _keep_metrics_until(run_dir / "metrics.jsonl", trainer.step)
             else:
@@ -107,6 +108,9 @@ def main(cfg: Config) -> TrainResult:
             trainer.tokenizer.save(run_dir)
             trainer.open_log(enabled=True, config_dict=to_dict(cfg))
             trainer.log.print(f"run dir {run_dir}")
+            if restarted and load_from is None:
+                trainer.log.print(f"note: {run_dir} holds a run stopped before its first checkpoint: starting it "
+                                  f"again from step 0 (its metrics.jsonl replaced)")
             if load_from is not None:
                 what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"
                 trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples)")

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from hybridpar.config.cli import load_config
+from hybridpar.config.cli import dump_yaml, load_config
 from hybridpar.errors import ConfigError, RunDirError
 from hybridpar.parallel.distributed import WorldInfo
 from hybridpar.planning.cost import GIB, GPUS, memory
@@ -108,3 +108,58 @@ def test_imports_run_downward():
                     upward.append(f"{path.relative_to(ROOT)} imports hybridpar.{other}")
     assert upward == [] and set(order) >= {p.name.removesuffix(".py") for p in (ROOT / "hybridpar").iterdir()
                                            if p.name not in ("__init__.py", "__pycache__")}
+
+
+def _killed_before_first_checkpoint(run_dir, interval: int) -> None:
+    """What a run leaves when it is killed before its first checkpoint completes: its config and some metrics."""
+    cfg = load_config(["--checkpoint.interval", str(interval), "--run.dir", str(run_dir)])
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 8.3}\n')
+    (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)  # a save cut off: no COMPLETE marker
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again(tmp_path, cache_dir):
+    """A requeued job runs the same command again: with checkpoints on and none complete, it starts over; a run dir
+    whose run saved none is still refused, with the reason that is true."""
+    _killed_before_first_checkpoint(tmp_path / "a", 5)
+    cfg = load_config(["--data.cache_dir", str(cache_dir), "--checkpoint.interval", "5", "--run.dir", str(tmp_path / "a")])
+    run = resolve(cfg, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
+    run.lock.release()
+    assert run.load_from is None
+    _killed_before_first_checkpoint(tmp_path / "b", 0)
+    cfg = load_config(["--data.cache_dir", str(cache_dir), "--run.dir", str(tmp_path / "b")])
+    with pytest.raises(ConfigError, match=r"without a checkpoint to continue from: its run saved none "
+                                          r"\(checkpoint.interval 0\)"):
+        resolve(cfg, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
+    assert not (tmp_path / "b" / ".lock").exists()  # a refused start leaves no lock
+
+
+@pytest.mark.multiprocess
+def test_the_same_command_restarts_a_run_killed_before_its_first_checkpoint(tmp_path, cache_dir):
+    from conftest import loss_curve, run_cli
+
+    run_dir = tmp_path / "run"
+    _killed_before_first_checkpoint(run_dir, 5)
+    args = ["launch/pretrain_gpt.py", "--checkpoint.interval", "5", "--train.steps", "2", "--train.eval_interval", "0",
+            "--train.sample_tokens", "0", "--logging.interval", "1", "--logging.wandb.mode", "disabled",
+            "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)]
+    out = run_cli(args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "stopped before its first checkpoint: starting it again from step 0" in out.stdout
+    assert sorted(loss_curve(run_dir)) == [1, 2] and loss_curve(run_dir)[1] != 8.3  # the old row is gone
+
+
+def test_a_sample_count_the_data_layer_cannot_index_is_refused_at_once(tmp_path, cache_dir):
+    """train.steps x global batch whose sample index would not fit memory: one line before the data layer starts
+    (it looped in megatron-core's epoch count at 1e20 steps and allocated 6.8 GiB then raised at 1e8), and the run
+    dir the start would have created is gone again. Hand count: 8 GiB / 12 bytes / 32 = 22,369,621 steps."""
+    for steps in ("99999999999999999999", "100000000"):
+        cfg = load_config(["--data.cache_dir", str(cache_dir), "--train.steps", steps, "--run.dir",
+                           str(tmp_path / "run")])
+        with pytest.raises(ConfigError, match=r"samples, whose index would take .* GiB of every rank's memory \(at "
+                                              r"most 8 GiB\); use --train.steps 22369621 or fewer"):
+            resolve(cfg, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
+        assert not (tmp_path / "run").exists()
+    ok = load_config(["--data.cache_dir", str(cache_dir), "--train.steps", "22369621"])
+    assert resolve(ok, WorldInfo(0, 1, 0, 1), CPU).cfg.train.steps == 22369621
