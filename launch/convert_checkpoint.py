@@ -100,16 +100,17 @@ def to_hf_cmd(a) -> str:
 
 def from_hf_cmd(a) -> str:
     from hybridpar.config import Config, TrainConfig
-    from hybridpar.interop.hf import from_hf
+    from hybridpar.interop.hf import from_hf, regular_file_of
 
     if not (a.hf / "config.json").is_file():
         raise CheckpointError(f"--hf {a.hf} has no config.json; give a transformers model folder")
     _check_out(a.out, a.overwrite)
+    tok = regular_file_of(a.hf, "tokenizer.json") if (a.hf / "tokenizer.json").exists() else None
     model_cfg, sd = from_hf(a.hf)
     cfg = Config(model=model_cfg, train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)))
-    if (a.hf / "tokenizer.json").is_file():
+    if tok is not None:
         a.out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(a.hf / "tokenizer.json", a.out / "tokenizer.json")
+        shutil.copyfile(tok, a.out / "tokenizer.json")
     _write_weights_checkpoint(a.out, sd, cfg, "from-hf")
     return f"wrote {a.out} ({model_cfg.n_layers} layers, d_model {model_cfg.d_model}, vocab {model_cfg.vocab_size})"
 
@@ -163,11 +164,14 @@ def _step_or_zero(ckpt: Path) -> int:
 
 
 def to_torch_cmd(a) -> str:
-    from hybridpar.interop.hf import write_safetensors_streaming
+    from hybridpar.interop.hf import TOKENIZER_FILES, regular_file_of, write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt).model
     _check_out(a.out, a.overwrite)
+    # Only the files a checkpoint holds by name, each a regular file of it (never through a link out of it).
+    extras = {name: regular_file_of(ckpt, name) for name in ("config.yaml", *TOKENIZER_FILES)
+              if name == "config.yaml" or (ckpt / name).exists() or (ckpt / name).is_symlink()}
     metas = _our_metas(ckpt)
     if cfg.tie_embeddings:
         metas.pop("lm_head.weight", None)
@@ -177,9 +181,8 @@ def to_torch_cmd(a) -> str:
 
     a.out.mkdir(parents=True, exist_ok=True)
     write_safetensors_streaming(a.out / "model.safetensors", metas, load_one)
-    shutil.copy(ckpt / "config.yaml", a.out / "config.yaml")
-    for tok in ckpt.glob("tokenizer.*"):
-        shutil.copy(tok, a.out / tok.name)
+    for name, src in extras.items():
+        shutil.copyfile(src, a.out / name)
     return f"wrote {a.out}/model.safetensors ({len(metas)} tensors) and config.yaml from {ckpt}"
 
 

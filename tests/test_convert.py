@@ -109,3 +109,29 @@ def test_conversion_errors(tmp_path):
     out = run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(tmp_path / "nothing"), "--out",
                    str(tmp_path / "x")])
     assert out.returncode == 2 and "neither a complete checkpoint nor a run directory" in out.stderr
+
+
+def test_no_export_follows_a_link_out_of_its_source(tmp_path):
+    """A checkpoint's tokenizer.json (or an HF folder's) that links to a file outside it is refused in one line and
+    nothing is written: it was copied, and a link to a local secret landed in the export."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("api-key\n")
+    model, ckpt = _checkpoint(tmp_path, "gpt2")
+    (ckpt / "tokenizer.json").symlink_to(secret)
+    out = run_cli(["launch/convert_checkpoint.py", "to-torch", "--checkpoint", str(ckpt), "--out",
+                   str(tmp_path / "pt")])
+    assert out.returncode == 2 and "tokenizer.json is not a regular file of" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "pt").exists()
+    (ckpt / "tokenizer.json").unlink()
+    (ckpt / "tokenizer.txt").write_text("bytes\n")  # a regular tokenizer file is copied
+    assert run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out",
+                    str(tmp_path / "hf")]).returncode == 0
+    (tmp_path / "hf" / "tokenizer.json").unlink(missing_ok=True)
+    (tmp_path / "hf" / "tokenizer.json").symlink_to(secret)
+    out = run_cli(["launch/convert_checkpoint.py", "from-hf", "--hf", str(tmp_path / "hf"), "--out",
+                   str(tmp_path / "back")])
+    assert out.returncode == 2 and "tokenizer.json is not a regular file of" in out.stderr, out.stderr
+    assert not (tmp_path / "back").exists()
+    out = run_cli(["launch/convert_checkpoint.py", "to-torch", "--checkpoint", str(ckpt), "--out",
+                   str(tmp_path / "pt")])
+    assert out.returncode == 0 and (tmp_path / "pt" / "tokenizer.txt").read_text() == "bytes\n", out.stderr

@@ -29,6 +29,20 @@ GPT2_KEYS = dict(norm="layernorm", position="learned", mlp="gelu", gelu_approx="
 LLAMA_KEYS = dict(norm="rmsnorm", position="rope", mlp="swiglu", bias=False)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.txt")  # what hybridpar's tokenizers save
+
+
+def regular_file_of(src_dir: Path, name: str) -> Path:
+    """src_dir/name when it is a regular file, or a symlink to one inside src_dir; a link out of it (a crafted
+    checkpoint pointing at a secret) or a non-file is a one-line CheckpointError. Check before writing anything."""
+    src = Path(src_dir) / name
+    real = src.resolve()
+    if not real.is_file() or (src.is_symlink() and not real.is_relative_to(Path(src_dir).resolve())):
+        raise CheckpointError(f"{src} is not a regular file of {src_dir} (a link out of it, or not a file); "
+                              f"replace it with the file itself")
+    return real
+
+
 def family(cfg: ModelConfig) -> str:
     if (all(getattr(cfg, k) == v for k, v in GPT2_KEYS.items()) and cfg.kv_heads == cfg.n_heads
             and cfg.attn_bias and cfg.ln_bias):
@@ -227,8 +241,9 @@ def export_hf_tokenizer(ckpt: Path, out: Path, max_len: int) -> tuple[int | None
     if (ckpt / "tokenizer.model").is_file():  # sentencepiece:MODEL: its ids are exported, the model file copied
         import shutil
 
-        eod = load_tokenizer(f"sentencepiece:{ckpt / 'tokenizer.model'}").eod_id
-        shutil.copy(ckpt / "tokenizer.model", out / "tokenizer.model")
+        model = regular_file_of(ckpt, "tokenizer.model")
+        eod = load_tokenizer(f"sentencepiece:{model}").eod_id
+        shutil.copyfile(model, out / "tokenizer.model")
         # transformers 5 builds a tokenizer from a SentencePiece model only through protobuf-based conversion, which
         # hybridpar does not depend on: the file is there for sentencepiece (or a converted tokenizer) to load.
         return eod, f"SentencePiece model copied as tokenizer.model (end of document id {eod}); not an AutoTokenizer"
