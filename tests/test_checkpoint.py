@@ -235,6 +235,24 @@ def test_checkpoint_of_another_model_fails_clearly(reference, tmp_path, cache_di
     assert not (tmp_path / "other").exists()
 
 
+def test_resume_checks_hold_without_the_checkpoints_config_yaml(reference, tmp_path, cache_dir):
+    """config.yaml is a convenience copy: without it, other data settings are still refused (the DCP checkpoint
+    carries their key) and another model still fails on the first tensor whose shape differs. Both were silent
+    (another seed resumed at exit 0)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir(reference[0], 4), ckpt)
+    (ckpt / "config.yaml").unlink()
+    out = run_cli(_args(cache_dir, tmp_path / "seed", "--checkpoint.load", str(ckpt), "--train.seed", "7"))
+    assert out.returncode == 2 and "with other data settings (one of train.seed, train.seq_len" in out.stderr, \
+        out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and not (tmp_path / "seed").exists()
+    out = run_cli(_args(cache_dir, tmp_path / "shape", "--checkpoint.load", str(ckpt), "--model.d_model", "64",
+                        "--model.n_heads", "2"))
+    assert out.returncode == 2 and "holds a different model: model." in out.stderr and "has shape" in out.stderr, \
+        out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
 def test_weights_only_starts_a_new_run(reference, tmp_path, cache_dir):
     out = run_cli(_args(cache_dir, tmp_path / "ft", "--checkpoint.load", str(reference[0]),
                         "--checkpoint.load_weights_only", "true", "--train.steps", "2"))

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from hybridpar.checkpoint.resume_checks import check_model_config, data_changes
+from hybridpar.checkpoint.resume_checks import check_model_config, data_changes, data_key
 from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader,
                                             exceptions_in, read_metadata, unwrap_checkpoint_exception)
 
@@ -150,7 +150,8 @@ class Checkpointer:
         if dist.get_rank() == 0 and path.exists():  # a save of this step that was cut off earlier
             shutil.rmtree(path)
         dist.barrier()
-        position = {k: torch.tensor(v) for k, v in {**trainer.state_dict(), "step": step}.items()}
+        position = {k: torch.tensor(v) for k, v in
+                    {**trainer.state_dict(), "step": step, "data_key": data_key(trainer.cfg)}.items()}
         state = _state(trainer.model, trainer.optimizer, position)
         self._need_bytes = _local_bytes(state)
         start = time.perf_counter()
@@ -254,21 +255,26 @@ class Checkpointer:
         checkpoint.allow_data_change); raises CheckpointError (nothing loaded) if they changed without it."""
         check_model_config(path, trainer.cfg)
         changes = [] if weights_only else data_changes(path, trainer.cfg, trainer.tokenizer.fingerprint)
+        saved_key = None if weights_only else read_trainer_state(path, True).get("data_key")  # older: none
+        if not changes and saved_key is not None and saved_key != data_key(trainer.cfg):
+            changes = ["one of train.seed, train.seq_len, data.path, data.split, data.tokenizer (the checkpoint has "
+                       "no config.yaml to name which)"]
         if changes and not trainer.cfg.checkpoint.allow_data_change:
             raise CheckpointError(f"resuming from {path} with other data settings ({'; '.join(changes)}): the "
                                   f"saved data position would index other samples; restore them, start a new "
                                   f"run with --run.name NAME, or pass --checkpoint.allow_data_change true")
         metadata = read_metadata(path)  # a crafted or damaged checkpoint fails here, as a one-line error
         saved = metadata.state_dict_metadata
+        _check_shapes(path, saved, get_model_state_dict(trainer.model))
         with_optim = not weights_only and any(k.startswith("optim.") for k in saved)  # a seed checkpoint has none
         if with_optim:
             state = dict(zip(("model", "optim"), get_state_dict(trainer.model, trainer.optimizer)))
         else:
             state = {"model": get_model_state_dict(trainer.model)}
         if not weights_only:
-            state["trainer"] = {k: torch.tensor(0) for k in trainer.state_dict()}
-            if "trainer.skip_streak" not in saved:  # saved before the streak was kept
-                del state["trainer"]["skip_streak"]
+            # skip_streak and data_key are absent from older checkpoints
+            state["trainer"] = {k: torch.tensor(0) for k in [*trainer.state_dict(), "data_key"]
+                                if f"trainer.{k}" in saved}
         _safe_load(state, path, SafeLoadPlanner(), metadata)
         if not with_optim:
             set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=True))
@@ -282,7 +288,7 @@ class Checkpointer:
                 group.update(kernel)
         if weights_only:
             return []
-        t = {k: int(v) for k, v in state["trainer"].items()}
+        t = {k: int(v) for k, v in state["trainer"].items() if k != "data_key"}
         step, consumed, G = t["step"], t["consumed_samples"], trainer.cfg.train.global_batch_size
         if not with_optim and step:
             raise CheckpointError(f"checkpoint {path} is at step {step} but holds no optimizer state; load it "
@@ -294,6 +300,18 @@ class Checkpointer:
         return changes
 
 
+def _check_shapes(path: Path, saved: dict, model_state: dict) -> None:
+    """Every model tensor the run needs is in the checkpoint with its global shape: read from the DCP metadata, so
+    it holds without the checkpoint's config.yaml."""
+    for name, t in model_state.items():
+        entry = saved.get(f"model.{name}")
+        size = tuple(getattr(entry, "size", ()) or ())
+        if entry is None or size != tuple(t.shape):
+            found = "is missing" if entry is None else f"has shape {list(size)}"
+            raise CheckpointError(f"checkpoint {path} holds a different model: model.{name} {found}, this run's is "
+                                  f"{list(t.shape)}; load it with the model config it was saved with")
+
+
 def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The model weights of checkpoint `path` (or only those in `names`) as full plain tensors, read in this one
     process (no process group)."""
@@ -303,11 +321,12 @@ def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[st
     return state["model"]
 
 
-def read_trainer_state(path: Path) -> dict[str, int]:
-    """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped (and skip_streak)."""
+def read_trainer_state(path: Path, with_data_key: bool = False) -> dict[str, int]:
+    """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped (and skip_streak); with
+    with_data_key also the data settings' key (resume_checks.data_key) where the checkpoint has one."""
     state: dict = {}
     _safe_load(state, path, SafeEmptyLoadPlanner(keys={"trainer"}), no_dist=True)
-    return {k: int(v) for k, v in state["trainer"].items()}
+    return {k: int(v) for k, v in state["trainer"].items() if with_data_key or k != "data_key"}
 
 
 class CheckpointHook:

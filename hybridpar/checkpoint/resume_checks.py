@@ -34,6 +34,14 @@ def read_checkpoint_config(path: Path) -> dict | None:
 DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data", "split"), ("data", "tokenizer"))
 
 
+def data_key(cfg) -> int:
+    """CRC-32 of the data-defining settings (DATA_FIELDS): saved inside the DCP checkpoint itself, so a resume onto
+    other data is caught even when the checkpoint's config.yaml, which names the fields, is gone."""
+    import zlib
+
+    return zlib.crc32(json.dumps([getattr(getattr(cfg, a), b) for a, b in DATA_FIELDS]).encode())
+
+
 def data_changes(path: Path, cfg, tokenizer_fingerprint: str | None) -> list[str]:
     """The data-defining settings in which `cfg` differs from checkpoint `path`, as 'field: checkpoint X vs now Y'."""
     saved = read_checkpoint_config(path) or {}
