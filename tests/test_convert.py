@@ -3,6 +3,7 @@ and the consolidated safetensors export with load_pretrained. transformers from 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -135,3 +136,19 @@ def test_no_export_follows_a_link_out_of_its_source(tmp_path):
     out = run_cli(["launch/convert_checkpoint.py", "to-torch", "--checkpoint", str(ckpt), "--out",
                    str(tmp_path / "pt")])
     assert out.returncode == 0 and (tmp_path / "pt" / "tokenizer.txt").read_text() == "bytes\n", out.stderr
+
+
+def test_from_hf_checks_config_json_against_the_weights(tmp_path):
+    """A config.json that disagrees with the tensors is one line naming the first tensor that does not fit; each of
+    these wrote a broken or truncated checkpoint at exit 0 (n_layer 1 dropped a block, n_embd dropped wv)."""
+    _, ckpt = _checkpoint(tmp_path, "gpt2")
+    assert run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out",
+                    str(tmp_path / "hf")]).returncode == 0
+    good = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for change, message in [({"n_layer": 1}, "transformer.h.1."), ({"n_embd": 32, "n_head": 2}, "comes out as [384, 64] but the model config.json describes needs [384, 32]"),
+                            ({"vocab_size": 500}, "tok_embeddings.weight comes out as [384, 64] but the model")]:
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**good, **change}))
+        out = run_cli(["launch/convert_checkpoint.py", "from-hf", "--hf", str(tmp_path / "hf"), "--out",
+                       str(tmp_path / "back")])
+        assert out.returncode == 2 and message in out.stderr and "disagree" in out.stderr, (change, out.stderr)
+        assert "Traceback" not in out.stderr and not (tmp_path / "back").exists()

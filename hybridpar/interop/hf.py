@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hybridpar.errors import CheckpointError
-from hybridpar.models import ModelConfig, named_like_its_preset
+from hybridpar.models import ModelConfig, build_model, named_like_its_preset
 
 GPT2_KEYS = dict(norm="layernorm", position="learned", mlp="gelu", gelu_approx="tanh", bias=True,
                  tie_embeddings=True)
@@ -214,13 +214,38 @@ def _from_hf(c: dict, hf: dict, hf_dir: Path) -> tuple[ModelConfig, dict[str, to
         if c.get("head_dim") not in (None, cfg.head_dim):
             raise CheckpointError(f"{hf_dir}: head_dim {c['head_dim']} != hidden_size / heads = {cfg.head_dim}; "
                                   f"hybridpar's GPT needs d_model = n_heads x head_dim")
-    sd = {}
+    sd, used = {}, set()
     for ours, theirs, (_, back) in _rules(fam, cfg):
-        sd.update(zip(ours, back(hf[theirs], cfg)))
+        try:
+            sd.update(zip(ours, back(hf[theirs], cfg)))
+        except RuntimeError as e:  # a reshape the config's sizes cannot make of this tensor
+            raise CheckpointError(f"{hf_dir}: {theirs} of shape {list(hf[theirs].shape)} does not fit config.json "
+                                  f"({str(e).splitlines()[0]}); the config and the weights disagree") from None
+        used.add(theirs)
     if cfg.tie_embeddings or "lm_head.weight" not in sd:
         sd["lm_head.weight"] = sd["tok_embeddings.weight"]
+        used |= {"lm_head.weight"}  # a tied head's copy, when the save holds one
     cfg.validate()
+    _check_against_model(hf_dir, cfg, sd, [k for k in hf if k not in used and not k.endswith(UNUSED_HF_BUFFERS)])
     return cfg, {k: v.contiguous() for k, v in sd.items()}
+
+
+UNUSED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")  # recomputed, not weights
+
+
+def _check_against_model(hf_dir: Path, cfg: ModelConfig, sd: dict, unused: list[str]) -> None:
+    """config.json is checked against the tensors: every weight used, each of the shape the model needs; else one
+    line names the first that is not (a wrong n_layer dropped blocks, a wrong n_embd dropped wv, at exit 0)."""
+    if unused:
+        raise CheckpointError(f"{hf_dir}: {unused[0]} (and {len(unused) - 1} more) is not used by the model "
+                              f"config.json describes ({cfg.n_layers} layers, d_model {cfg.d_model}); the config and "
+                              f"the weights disagree" if len(unused) > 1 else
+                              f"{hf_dir}: {unused[0]} is not used by the model config.json describes; the config and "
+                              f"the weights disagree")
+    for name, p in build_model(cfg, device="meta").state_dict().items():
+        if name in sd and tuple(sd[name].shape) != tuple(p.shape):
+            raise CheckpointError(f"{hf_dir}: {name} comes out as {list(sd[name].shape)} but the model config.json "
+                                  f"describes needs {list(p.shape)}; the config and the weights disagree")
 
 
 def export_hf_tokenizer(ckpt: Path, out: Path, max_len: int) -> tuple[int | None, str]:
