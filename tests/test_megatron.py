@@ -189,9 +189,19 @@ def test_hostile_and_unsupported_megatron_saves_are_refused(saves, tmp_path, cap
     shutil.rmtree(lost / "mp_rank_01")
     _refused(capsys, lost, tmp_path / "d", "--tensor-model-parallel-size=2", "incomplete")
     for arg, value, flag in [("num_experts", 8, "--num-experts=8"), ("rotary_percent", 0.5, "--rotary-percent=0.5"),
-                             ("kv_channels", 8, "--kv-channels=8"), ("normalization", "Foo", "--normalization='Foo'")]:
+                             ("kv_channels", 8, "--kv-channels=8"), ("normalization", "Foo", "--normalization='Foo'"),
+                             # args the tensors contradict, refused before anything is built (10^9 layers grew
+                             # memory without bound)
+                             ("num_layers", 10**9, "--num-layers=1000000000 but the saved tensors hold"),
+                             ("hidden_size", 48, "--hidden-size=48 but the saved tensors hold")]:
         d = tmp_path / f"e-{arg}"
         _refused(capsys, _copy_legacy(saves, d, edit_args=lambda a: setattr(a, arg, value)), d, flag)
+    # the same in a torch_dist save: its common.pt's args say 10^9 layers over the saved blocks
+    absurd = tmp_path / "h" / f"iter_{ITERATION:07d}"
+    shutil.copytree(saves[("gpt", "torch_dist")] / absurd.name, absurd)
+    args = _load_legacy_part(saves[("gpt", "legacy")] / absurd.name / "mp_rank_00" / "model_optim_rng.pt")["args"]
+    torch.save({"args": Namespace(**{**vars(args), "num_layers": 10**9})}, absurd / "common.pt")
+    _refused(capsys, absurd, tmp_path / "h", "--num-layers=1000000000 but the saved tensors hold")
     # a save directory without that iteration; a non-empty --out
     _refused(capsys, saves[("gpt", "torch_dist")], tmp_path / "f", "iter_0000003 does not exist (found: iter_0000007)",
              extra=("--iteration", "3"))

@@ -155,10 +155,15 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def config_from_args(args: Namespace, vocab_rows: int) -> ModelConfig:
+def config_from_args(args: Namespace, vocab_rows: int, embedding_width: int, layers: int) -> ModelConfig:
     """ModelConfig of a Megatron-LM model, every field set; CheckpointError naming the argument hybridpar's GPT
-    does not have."""
+    does not have, or one the tensors contradict (checked before anything is built: an absurd --num-layers over a
+    few blocks of tensors grew memory without bound)."""
     a = vars(args)
+    for name, found in (("num_layers", layers), ("hidden_size", embedding_width)):
+        if a.get(name) != found:
+            raise CheckpointError(f"Megatron-LM argument {_flag(name)}={a.get(name)!r} but the saved tensors hold "
+                                  f"{found}; the save's args and weights disagree")
     for name, refused, what in _REFUSED:
         if refused(a.get(name)):
             raise CheckpointError(f"Megatron-LM argument {_flag(name)}={a[name]!r} ({what}) has no counterpart in "
@@ -295,7 +300,9 @@ def _read_torch_dist(iter_dir: Path):
     metas = {k: m for k, m in metadata.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
     if "embedding.word_embeddings.weight" not in metas:
         raise CheckpointError(f"{iter_dir} holds no embedding.word_embeddings.weight: not a GPT model save")
-    cfg = config_from_args(args, metas["embedding.word_embeddings.weight"].size[0])
+    stacked = [m.size[0] for k, m in metas.items() if k.startswith("decoder.layers.")]  # (layers, ...) each
+    cfg = config_from_args(args, *metas["embedding.word_embeddings.weight"].size[:2],
+                           layers=max(stacked, default=0))
     keys = {stacked_name(theirs)[0] for _, theirs, _ in rules(cfg)}
     missing = sorted(keys - metas.keys())
     if missing:
@@ -332,7 +339,9 @@ def _read_legacy(iter_dir: Path):
                                   f"re-save it with megatron-core models (--use-mcore-models) first")
         models.append(model)
     vocab_rows = sum(m["embedding.word_embeddings.weight"].shape[0] for m in models)
-    cfg = config_from_args(args, vocab_rows)
+    blocks = {int(k.split(".")[2]) for k in models[0] if re.match(r"decoder\.layers\.\d+\.", k)}
+    cfg = config_from_args(args, vocab_rows, models[0]["embedding.word_embeddings.weight"].shape[1],
+                           layers=max(blocks, default=-1) + 1)
 
     def fetch(name, split):
         short, i = stacked_name(name)  # legacy saves use either the local or the Transformer Engine names
