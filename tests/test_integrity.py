@@ -173,10 +173,13 @@ def test_shard_paths_and_lengths_are_checked(trained, tmp_path):
     original = (ckpt / ".metadata").read_bytes()
     md = pickle.loads(original)
     key = next(iter(md.storage_data))
-    md.storage_data[key] = _StorageInfo("../../../etc/passwd", 0, 10)
-    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    with pytest.raises(CheckpointError, match="not a shard file of this checkpoint"):
-        read_metadata(ckpt)
+    # a path out of the checkpoint, and shard names with a directory in them (a search instead of a full match of
+    # the shard-name pattern would let these through)
+    for name in ("../../../etc/passwd", "../x/__0_0.distcp", "sub/__0_0.distcp", "__0_0.distcp/../../y"):
+        md.storage_data[key] = _StorageInfo(name, 0, 10)
+        (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+        with pytest.raises(CheckpointError, match="not a shard file of this checkpoint"):
+            read_metadata(ckpt)
     (ckpt / ".metadata").write_bytes(original)
     shard = ckpt / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])

@@ -177,3 +177,37 @@ def test_train_step_never_waits_on_the_device_with_the_fused_optimizer(cache_dir
     assert r["syncs"] == [], r["syncs"]
     assert r["skipped"] == 1 and r["moved"] == [True, False, True]  # step 3 (index 1) was skipped, 2 and 4 applied
     assert "warning: step 3: gradient norm is nan; optimizer step skipped (1 in a row, 1 in total)" in out.stdout
+
+
+@pytest.mark.parametrize("kernel", ["for-loop", "foreach", "fused"])
+def test_adamw_takes_every_setting_and_its_second_step_equals_the_hand_computation(kernel):
+    """Every optimizer hyperparameter reaches AdamW (swapped betas trained and passed before), and two steps on one
+    weight equal the update written out by hand (Loshchilov & Hutter 2019, Algorithm 2, torch's eps placement):
+    m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2, w -= lr (wd w + m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps))."""
+    import math
+
+    cfg = OptimConfig(lr=0.01, min_lr=0.0, beta1=0.8, beta2=0.9, eps=1e-3, weight_decay=0.25,
+                      fused=kernel == "fused", foreach=kernel == "foreach")
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[0.5, -1.0, 2.0], [0.25, 0.0, -0.5]]))
+        model.bias.copy_(torch.tensor([0.1, -0.2]))
+    opt = build_optimizer(model, cfg)
+    for g in opt.param_groups:
+        assert (g["lr"], g["betas"], g["eps"]) == (0.01, (0.8, 0.9), 1e-3)
+        assert g["weight_decay"] == (0.25 if g["params"][0].dim() == 2 else 0.0)
+        assert bool(g.get("fused")) == (kernel == "fused") and bool(g.get("foreach")) == (kernel == "foreach")
+    grads = [[0.3, -0.1, 0.0, 1.0, 2.0, -0.5], [-0.2, 0.4, 0.1, 0.0, -1.0, 0.5]]  # two steps' weight gradients
+    w = [0.5, -1.0, 2.0, 0.25, 0.0, -0.5]
+    m, v = [0.0] * 6, [0.0] * 6
+    for t, g in enumerate(grads, start=1):
+        model.weight.grad = torch.tensor(g).reshape(2, 3)
+        model.bias.grad = torch.zeros(2)
+        opt.step()
+        for j in range(6):  # by hand, in Python floats
+            w[j] *= 1 - 0.01 * 0.25
+            m[j] = 0.8 * m[j] + 0.2 * g[j]
+            v[j] = 0.9 * v[j] + 0.1 * g[j] ** 2
+            w[j] -= 0.01 * (m[j] / (1 - 0.8 ** t)) / (math.sqrt(v[j] / (1 - 0.9 ** t)) + 1e-3)
+    torch.testing.assert_close(model.weight.detach().flatten(), torch.tensor(w), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model.bias.detach(), torch.tensor([0.1, -0.2]))  # no decay, zero gradient
