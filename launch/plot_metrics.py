@@ -21,6 +21,9 @@ PANELS = [("loss", "train loss"), ("val_loss", "validation loss"), ("lr", "learn
           ("tokens_per_sec", "tokens/s (global)"), ("mfu", "MFU")]
 
 
+IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
 class MetricsError(ValueError):
     """A run directory whose metrics cannot be plotted; the message names it."""
 
@@ -91,7 +94,11 @@ def cli(argv: list[str]) -> int:
         if parsed is None:
             return 0
         a, _ = parsed
-        plot([Path(r) for r in a.runs], Path(a.out))
+        out = Path(a.out)
+        if out.is_dir() or out.suffix.lower() not in IMAGE_SUFFIXES:
+            raise MetricsError(f"--out {a.out}: name an image file ending in {', '.join(IMAGE_SUFFIXES)} (it was "
+                               f"{'a directory' if out.is_dir() else 'no image type matplotlib writes'})")
+        plot([Path(r) for r in a.runs], out)
     except ImportError:
         print('error: plotting needs matplotlib: pip install -e ".[plot]"', file=sys.stderr)
         return 2

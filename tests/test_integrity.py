@@ -483,6 +483,13 @@ def test_plot_metrics_skips_torn_lines_and_refuses_empty_files(tmp_path, capsys)
     (run / "metrics.jsonl").write_text("")
     assert plot_metrics.cli([str(run), "--out", str(tmp_path / "q.png")]) == 2
     assert "holds no metrics rows yet" in capsys.readouterr().err and not (tmp_path / "q.png").exists()
+    # --out must name an image: a directory was written as DIR.png with "wrote DIR", another suffix was a traceback
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for out, why in [(tmp_path, "it was a directory"), (tmp_path / "p.bmpx", "no image type matplotlib writes")]:
+        assert plot_metrics.cli([str(run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: name an image file ending in .png" in err and why in err and err.count("\n") == 1
+    assert not (tmp_path.parent / f"{tmp_path.name}.png").exists() and not (tmp_path / "p.bmpx").exists()
 
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
