@@ -96,6 +96,8 @@ class ModelConfig:
             raise ValueError(f"RoPE needs an even head dim, got d_model/n_heads={self.head_dim}")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size <= 0:
             raise ValueError(f"model.ffn_hidden_size={self.ffn_hidden_size} must be positive (or None)")
+        if not (self.init_std > 0 and math.isfinite(self.init_std)):
+            raise ValueError(f"model.init_std={self.init_std} must be a positive number (GPT-2's is 0.02)")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
         if self.norm not in ("layernorm", "rmsnorm"):

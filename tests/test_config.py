@@ -181,3 +181,21 @@ def test_one_parser_for_every_launcher():
             parse_command(argv, _Options, "", "t.py", config=True, positional="mode")
     launchers = sorted((ROOT / "launch").glob("*.py"))
     assert len(launchers) == 8 and not [p.name for p in launchers if "argparse" in p.read_text()]
+
+
+def test_numbers_out_of_range_are_one_line_errors(tmp_path):
+    """Values that reached numpy, torch or timedelta as tracebacks: refused when the config is read."""
+    for argv, message in [(["--train.seed", "-1"], "train.seed=-1 must be in [0, 2**32)"),
+                          (["--train.seed", str(2**32)], "train.seed=4294967296 must be in [0, 2**32)"),
+                          (["--parallel.timeout_minutes", "1e300"], "must be in (0, 43200] (30 days)"),
+                          (["--data.split", "nan,5,0"], "data.split='nan,5,0': give three weights"),
+                          (["--data.split", "inf,5,0"], "data.split='inf,5,0': give three weights"),
+                          (["--model.init_std", "-1"], "model.init_std=-1.0 must be a positive number"),
+                          (["--data.path", ""], "data.path='' names no data")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(argv)
+    from hybridpar.data.dataset import load_data_tokenizer
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="data.cache_dir=.* is a file; give a directory"):
+        load_data_tokenizer(load_config(["--data.cache_dir", str(tmp_path / "file")]).data)

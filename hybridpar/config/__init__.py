@@ -8,6 +8,7 @@ once by hybridpar.resolve, into a new Config. Loading from YAML and the command 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -54,8 +55,8 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name}={v} must be a positive degree or -1 (fill the rest)")
         if [self.dp_replicate, self.dp_shard, self.tp].count(-1) > 1:
             raise ValueError("only one of parallel.dp_replicate, dp_shard, tp may be -1")
-        if not self.timeout_minutes > 0:
-            raise ValueError(f"parallel.timeout_minutes={self.timeout_minutes} must be > 0")
+        if not 0 < self.timeout_minutes <= 43200:  # timedelta overflows long before 1e300 minutes
+            raise ValueError(f"parallel.timeout_minutes={self.timeout_minutes} must be in (0, 43200] (30 days)")
         if isinstance(self.fsdp_strategy, int) and self.fsdp_strategy < 2:
             raise ValueError(f"parallel.fsdp_strategy={self.fsdp_strategy}: an integer reshard group must be >= 2 "
                              f"(or use full_shard, shard_grad_op, hybrid_shard, no_shard)")
@@ -114,6 +115,8 @@ class TrainConfig:
                              f"checkpoint.interval > 0, and stop)")
         _positive("train", micro_batch_size=self.micro_batch_size, ac_every=self.ac_every,
                   global_batch_size=self.global_batch_size, seq_len=self.seq_len, eval_batches=self.eval_batches)
+        if not 0 <= self.seed < 2**32:  # numpy's and megatron-core's seed range
+            raise ValueError(f"train.seed={self.seed} must be in [0, 2**32)")
         if self.precision not in (None, "fp32", "bf16"):
             raise ValueError(f"train.precision={self.precision!r}: use fp32 or bf16")
         if self.grad_clip < 0 or self.eval_interval < 0 or self.sample_tokens < 0 or self.sample_temperature < 0:
@@ -164,7 +167,10 @@ class DataConfig:
             weights = [float(p) for p in parts]
         except ValueError:
             weights = []
-        if len(weights) != 3 or min(weights) < 0 or weights[0] <= 0 or weights[1] <= 0:
+        if not self.path.strip():
+            raise ValueError("data.path='' names no data; give 'builtin', a .bin/.idx prefix or a blend")
+        if len(weights) != 3 or not all(map(math.isfinite, weights)) or min(weights) < 0 or weights[0] <= 0 \
+                or weights[1] <= 0:
             raise ValueError(f"data.split={self.split!r}: give three weights train,valid,test with train and valid > 0, e.g. 98,1,1")
 
     @property

@@ -43,12 +43,15 @@ def _rank_zero_first(build):
 def load_data_tokenizer(d: DataConfig):
     """data.tokenizer, loaded once (hybridpar.resolve step 5). train-bpe:N learns from the train split's documents
     of the built-in corpus, and only there."""
+    cache_dir = Path(os.path.expanduser(d.cache_dir))
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise ConfigError(f"data.cache_dir={d.cache_dir!r} is a file; give a directory (it holds the built corpus, "
+                          f"tokenizers and index caches)")
     if d.path != "builtin":
         if d.tokenizer.startswith("train-bpe"):
             raise ConfigError(f"data.tokenizer={d.tokenizer!r} trains on the built-in corpus only; give the tokenizer "
                               f"your data was preprocessed with (bpe:PATH, gpt2:DIR, sentencepiece:MODEL or bytes)")
         return load_tokenizer(d.tokenizer)
-    cache_dir = Path(os.path.expanduser(d.cache_dir))
 
     def build():
         docs, sha = load_builtin_corpus(cache_dir)
