@@ -199,3 +199,19 @@ def test_numbers_out_of_range_are_one_line_errors(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="data.cache_dir=.* is a file; give a directory"):
         load_data_tokenizer(load_config(["--data.cache_dir", str(tmp_path / "file")]).data)
+
+
+def test_config_files_a_careless_edit_breaks_are_one_line_errors(tmp_path):
+    """A key given twice (the last silently won), a section that is a scalar (read as empty: the defaults ran), a
+    file that is not UTF-8 (a traceback), and a run name that would write outside runs/."""
+    cases = [(b"train:\n  steps: 3\n  steps: 5\n", "is not valid YAML: key 'steps' is given twice"),
+             (b"train: 0\n", "train must be a mapping, got 0"), (b'train: ""\n', "train must be a mapping, got ''"),
+             (b"train:\n  steps: 3 \xff\n", "is not UTF-8 text (byte 18); save it as UTF-8")]
+    for i, (text, message) in enumerate(cases):
+        (tmp_path / f"{i}.yaml").write_bytes(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(["--config", str(tmp_path / f"{i}.yaml")])
+    for name in ("../x", "a/b", "..", "."):
+        with pytest.raises(ConfigError, match=re.escape(f"run.name={name!r} must be a plain name")):
+            load_config(["--run.name", name])
+    assert load_config(["--run.name", "my-run_2"]).run.name == "my-run_2"

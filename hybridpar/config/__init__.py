@@ -250,6 +250,11 @@ class RunConfig:
                                     "the same command continues the same run)")
     overwrite: bool = doc(False, "allow a run.dir that already holds a run's metrics (they are replaced)")
 
+    def __post_init__(self):
+        if self.name is not None and (not self.name.strip() or "/" in self.name or self.name in (".", "..")):
+            raise ValueError(f"run.name={self.name!r} must be a plain name (no '/', not '.' or '..'): it names the "
+                             f"directory runs/<name>; give the place itself with --run.dir")
+
 
 @dataclass(frozen=True)
 class Config:

@@ -137,7 +137,7 @@ def _build(cls, values: dict, prefix: str, valid=all_keys):
             raise _unknown(prefix + key, valid())
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, f"{prefix}{key}.", valid)
+            kwargs[key] = _build(tp, {} if value is None else value, f"{prefix}{key}.", valid)
         else:
             kwargs[key] = _convert(prefix + key, value, tp)
     try:
@@ -314,6 +314,20 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader (no Python tags), refusing a key given twice in one mapping (the last one silently won)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(argv: list[str]) -> Config:
     """The Config from `--config FILE` and overrides in argv. Raises ConfigError for any user mistake."""
     config_path, overrides = parse_overrides(argv)
@@ -323,9 +337,11 @@ def load_config(argv: list[str]) -> Config:
         if not path.is_file():
             raise ConfigError(f"--config {config_path}: no such file; the shipped configs are in configs/")
         try:
-            tree = yaml.safe_load(path.read_text()) or {}
+            tree = yaml.load(path.read_text(encoding="utf-8"), _UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"--config {config_path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--config {config_path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {config_path} must hold a mapping of sections")
     tree = _merge(tree, overrides)
@@ -342,10 +358,11 @@ def config_from_dict(tree: dict) -> Config:
     for key in tree:
         if key not in sections:
             raise _unknown(key, sorted(sections))
-    kwargs = {"model": _build_model(tree.get("model") or {})}
+    section = lambda name: {} if tree.get(name) is None else tree[name]  # noqa: E731  (train: 0 is no section)
+    kwargs = {"model": _build_model(section("model"))}
     hints = _hints(Config)
     for name in sections - {"model"}:
-        kwargs[name] = _build(hints[name], tree.get(name) or {}, name + ".")
+        kwargs[name] = _build(hints[name], section(name), name + ".")
     try:
         return Config(**kwargs)
     except ValueError as e:
