@@ -163,3 +163,19 @@ def test_a_sample_count_the_data_layer_cannot_index_is_refused_at_once(tmp_path,
         assert not (tmp_path / "run").exists()
     ok = load_config(["--data.cache_dir", str(cache_dir), "--train.steps", "22369621"])
     assert resolve(ok, WorldInfo(0, 1, 0, 1), CPU).cfg.train.steps == 22369621
+
+
+def test_stray_entries_in_checkpoints_are_not_saves(tmp_path, cache_dir):
+    """A user's step_*.bak copy, a step_final, an incomplete step_*.old: none is a save (each crashed every start
+    on its name), and the latest real one is resumed."""
+    root = tmp_path / "run" / "checkpoints"
+    for name, complete in [("step_00000004", True), ("step_00000004.bak", True), ("step_final", True),
+                           ("step_00000002.old", False), ("step_00000006", False)]:
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / "COMPLETE").write_text("step 4\n")
+    (root / "step_00000009").write_text("a file, not a save\n")
+    cfg = load_config(["--data.cache_dir", str(cache_dir), "--run.dir", str(tmp_path / "run")])
+    run = resolve(cfg, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
+    run.lock.release()
+    assert run.load_from == root / "step_00000004"

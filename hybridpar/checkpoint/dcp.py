@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanne
                                             exceptions_in, read_metadata, unwrap_checkpoint_exception)
 
 STEP_PREFIX = "step_"
+_STEP_DIR = re.compile(r"step_\d+")  # what hybridpar names a save; anything else in checkpoints/ is not one
 MARKER = "COMPLETE"
 
 
@@ -96,7 +98,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and is_complete(p)]
+    done = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and is_complete(p)]
     return sorted(done, key=step_of)
 
 
@@ -226,7 +228,7 @@ class Checkpointer:
         # Incomplete saves older than the newest complete one can never be used: clear them too.
         newest = step_of(path)
         for p in (self.run_dir / "checkpoints").iterdir():
-            if p.name.startswith(STEP_PREFIX) and not is_complete(p) and step_of(p) < newest:
+            if _STEP_DIR.fullmatch(p.name) and not is_complete(p) and step_of(p) < newest:
                 shutil.rmtree(p, ignore_errors=True)
 
     def poll(self) -> None:
