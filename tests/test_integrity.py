@@ -492,4 +492,24 @@ def test_plot_metrics_skips_torn_lines_and_refuses_empty_files(tmp_path, capsys)
     assert not (tmp_path.parent / f"{tmp_path.name}.png").exists() and not (tmp_path / "p.bmpx").exists()
 
 
+def test_locks_whose_holder_is_certainly_gone_are_taken_over(tmp_path):
+    """An empty .lock (its starter died between creating and writing it, e.g. on a full disk), a pid that is not a
+    process id, and a zombie holder each blocked every later start; a live holder is still refused."""
+    host, lock = socket.gethostname(), tmp_path / LOCK
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.time() < deadline:
+        time.sleep(0.05)  # exited, not reaped yet
+    for content, reason in [("", "an empty lock"), (json.dumps({"host": host, "pid": "abc"}), "is not a process id"),
+                            (json.dumps({"host": host, "pid": zombie.pid}), "that process is gone")]:
+        lock.write_text(content)
+        said = []
+        RunDirLock(tmp_path).acquire(log=said.append).release()
+        assert len(said) == 1 and reason in said[0], said
+    zombie.wait()
+    lock.write_text(json.dumps({"host": host, "pid": os.getpid()}))
+    with pytest.raises(RunDirError, match="is in use by pid"):
+        RunDirLock(tmp_path).acquire(log=print)
+
+
 pytestmark = pytest.mark.multiprocess  # every test here starts processes

@@ -23,19 +23,25 @@ from hybridpar.errors import RunDirError
 LOCK = ".lock"
 
 
-def _proc_start_ticks(pid: int) -> int | None:
-    """The kernel start time of process `pid` (clock ticks since boot), or None if it does not exist."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the process name (state first), or None if there is no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])  # field 22; the name in (...) may hold spaces
+    return stat.rsplit(")", 1)[1].split()  # the name in (...) may hold spaces
+
+
+def _proc_start_ticks(pid: int) -> int | None:
+    """The kernel start time of process `pid` (clock ticks since boot), or None if it does not exist."""
+    fields = _proc_stat(pid)
+    return None if fields is None else int(fields[19])  # field 22
 
 
 def _alive(pid: int, start_ticks: int | None) -> bool:
     if Path("/proc/self/stat").exists():
-        now = _proc_start_ticks(pid)
-        return now is not None and (start_ticks is None or now == start_ticks)
+        fields = _proc_stat(pid)  # a zombie (state Z) has exited: it only waits for its parent to reap it
+        return fields is not None and fields[0] != "Z" and (start_ticks is None or int(fields[19]) == start_ticks)
     try:  # no /proc (macOS): signal 0 says whether the pid exists
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -62,7 +68,11 @@ def _stale_reason(h: dict) -> str | None:
     if h.get("slurm_job_id") and h["slurm_job_id"] == me["slurm_job_id"] and \
             str(h.get("slurm_restart_count")) != me["slurm_restart_count"]:
         return "an earlier incarnation of this SLURM job (requeued since)"
-    if h.get("host") == me["host"] and isinstance(h.get("pid"), int) and not _alive(h["pid"], h.get("start_ticks")):
+    if h.get("empty"):
+        return "an empty lock (its starter stopped before writing it)"
+    if h.get("host") == me["host"] and not (isinstance(h.get("pid"), int) and h["pid"] > 0):
+        return f"its pid {h.get('pid')!r} is not a process id"
+    if h.get("host") == me["host"] and not _alive(h["pid"], h.get("start_ticks")):
         return "that process is gone"
     return None
 
@@ -97,8 +107,15 @@ class RunDirLock:
             except FileExistsError:
                 self._take_over_if_stale(log)
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(self._content)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(self._content)
+            except OSError as e:  # a full disk: leave no empty lock behind to block the next start
+                self.path.unlink(missing_ok=True)
+                self._content = ""
+                self.release()
+                raise RunDirError(f"run.dir={str(self.run_dir)!r}: its lock cannot be written ({e.strerror}); free "
+                                  f"space there or pass another --run.dir") from None
             return self
         raise RunDirError(f"run.dir={str(self.run_dir)!r}: another process took its lock at the same moment; "
                           f"only one run may use a run dir")
@@ -116,6 +133,8 @@ class RunDirLock:
             except json.JSONDecodeError:
                 pass
             time.sleep(0.05)
+        if text == "":  # still empty after a second: its starter died between creating and writing it
+            return {"empty": True}
         self.release()
         raise RunDirError(f"{self.path} exists but is not a lock hybridpar wrote; if no run uses {self.run_dir}, "
                           f"delete {self.path} and start again")
@@ -138,7 +157,8 @@ class RunDirLock:
         except FileNotFoundError:
             return
         try:
-            taken = json.loads(aside.read_text())
+            text = aside.read_text()
+            taken = {"empty": True} if text == "" else json.loads(text)
         except (OSError, json.JSONDecodeError):
             taken = None
         if taken != holder:  # another starter replaced the stale lock in between: put its lock back and refuse
