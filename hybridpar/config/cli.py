@@ -1,10 +1,7 @@
-"""The one command-line parser of every launcher, and the config from YAML files and `--section.field VALUE`
-overrides, with errors that name the value and the fix (one line, with a did-you-mean for unknown flags).
-
-Config precedence, lowest first: dataclass defaults, the `model.name` preset, the `--config` YAML file, the command
-line. The resolved config dumps to YAML that is itself a valid `--config` file. A launcher's own flags are a
-dataclass of doc() fields too (parse_command): top-level fields are spelt with dashes (--json-key), nested ones
-dotted (--cluster.gpus_per_node), as the launchers always spelt them.
+"""The one command-line parser of every launcher, and the config from YAML and `--section.field VALUE` overrides,
+with one-line errors that name the value and the fix. Precedence, lowest first: dataclass defaults, the model.name
+preset, the --config file, the command line; the resolved config dumps to a valid --config file. A launcher's own
+flags are a dataclass of doc() fields (parse_command): --json-key at the top level, --cluster.gpus_per_node nested.
 """
 
 from __future__ import annotations
@@ -29,10 +26,7 @@ class _CliValue(str):
 
 
 _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
-
-
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+_hints = typing.get_type_hints  # a dataclass's field name -> type
 
 
 def _type_name(tp) -> str:
@@ -164,10 +158,9 @@ def _field_type(cls, dotted: str):
 
 def parse_command(argv: list[str], options: type, about: str, prog: str, config: bool = False,
                   positional: str | None = None):
-    """A launcher's command line: its own flags (the dataclass `options`: list fields take every value up to the
-    next flag, a bool flag alone is true and --no-FLAG false, a field without a default is required) and, with
-    config, every other --section.field and --config as training-config overrides. Words that are not flags go
-    to the field `positional`. Returns (options, Config or None), or None after printing --help."""
+    """A launcher's command line: its own flags (dataclass `options`: a list takes the values up to the next flag,
+    a lone bool flag is true and --no-FLAG false, a field without default is required), with config every other
+    --section.field as config overrides, non-flag words in `positional`. (options, Config or None); None: --help."""
     if "-h" in argv or "--help" in argv:
         print(command_help(options, about, prog, config, positional))
         return None
@@ -222,9 +215,9 @@ def parse_command(argv: list[str], options: type, about: str, prog: str, config:
 
 def command_help(options: type, about: str, prog: str, config: bool, positional: str | None) -> str:
     many = positional and typing.get_origin(_field_type(options, positional)) is list
-    lines = [f"usage: python {prog}" + (f" {positional.upper()}{'...' if many else ''}" if positional else "")
-             + " [--flag VALUE ...]"
-             + (" [--config FILE] [--section.field VALUE ...]" if config else ""), "", about, ""]
+    usage = f"usage: python {prog}" + (f" {positional.upper()}{'...' if many else ''}" if positional else "")
+    lines = [usage + " [--flag VALUE ...]" + (" [--config FILE] [--section.field VALUE ...]" if config else ""), "",
+             about, ""]
     for key in all_keys(options):
         tp = _field_type(options, key)
         f = next(f for f in dataclasses.fields(options) if f.name == key.split(".")[0])
@@ -233,8 +226,8 @@ def command_help(options: type, about: str, prog: str, config: bool, positional:
             f = next(g for g in dataclasses.fields(sub) if g.name == key.split(".")[1])
         default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
             else f"default: {f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
-        name = key.upper() if key == positional else _flag(key) + (" [BOOL]" if tp is bool else
-                                                                    f" {_type_name(tp).upper()}")
+        kind = " [BOOL]" if tp is bool else f" {_type_name(tp).upper()}"
+        name = key.upper() if key == positional else _flag(key) + kind
         lines += [f"  {name}", f"      {f.metadata.get('help', '')} ({default})"]
     if config:
         lines += ["", "Every other --section.field VALUE (and --config FILE) is a training config override; python "

@@ -12,11 +12,10 @@ two formats:
 
 megatron-core's attention fuses Q, K, V per query group: for each of the nkv groups, its nh/nkv query heads, then
 its K head, then its V head (hd rows each). RoPE rotates the two halves of each head unless `rotary_interleaved`;
-hybridpar rotates interleaved pairs, so Q and K rows are permuted between the conventions (as for Llama).
-`apply_layernorm_1p` stores norm gains minus one.
-
-Nothing here runs code from the files: DCP metadata through hybridpar.checkpoint.safe_load's checked reader, `.pt` files through
-torch's weights-only unpickler with `argparse.Namespace` allowed and a named list of Megatron-LM classes made inert.
+hybridpar rotates interleaved pairs, so Q and K rows are permuted (as for Llama). `apply_layernorm_1p` stores norm
+gains minus one. Nothing here runs code from the files: DCP metadata through hybridpar.checkpoint.safe_load's
+checked reader, `.pt` files through torch's weights-only unpickler (`argparse.Namespace` and a named list of
+Megatron-LM classes, made inert).
 """
 
 from __future__ import annotations
@@ -34,8 +33,8 @@ from hybridpar.models import ModelConfig, named_like_its_preset
 from hybridpar.checkpoint.safe_load import load_plain_torch_file, read_metadata
 
 # -- tensors: (our names, Megatron name with {i} for the block, how tensor-parallel ranks split it) ---------------
-# Split kinds: rep (replicated), rows (column-/vocab-parallel: concatenated on dim 0), cols (row-parallel: dim 1),
-# glu (each rank's [gate; up] rows), qkv (whole query groups per rank: concatenated on dim 0).
+# Splits: rep (replicated), rows (column/vocab-parallel: dim 0), cols (row-parallel: dim 1), glu (each rank's
+# [gate; up] rows), qkv (whole query groups per rank, on dim 0).
 _L = "decoder.layers.{i}."
 RULES = [
     (["tok_embeddings.weight"], "embedding.word_embeddings.weight", "rows"),
@@ -61,10 +60,8 @@ RULES = [
     (["lm_head.weight"], "output_layer.weight", "rows"),
 ]
 # Transformer Engine's fused names (what torch_dist saves use, and legacy saves of the TE layer spec).
-_TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-             "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-             "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+_TE_NAMES = {f"{ours}.{leaf}": f"{theirs}.layer_norm_{leaf}" for leaf in ("weight", "bias") for ours, theirs in
+             (("input_layernorm", "self_attention.linear_qkv"), ("pre_mlp_layernorm", "mlp.linear_fc1"))}
 
 
 def rules(cfg: ModelConfig):
@@ -88,8 +85,7 @@ def _our_names(cfg: ModelConfig) -> list[str]:
 
 
 def stacked_name(name: str) -> tuple[str, int | None]:
-    """A Megatron per-block name -> (torch_dist key, block index): the index leaves the name for the stacked axis,
-    and the norms take Transformer Engine's fused names."""
+    """A Megatron per-block name -> (torch_dist key with Transformer Engine's norm names, block index)."""
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
     if m is None:
         return name, None
@@ -157,8 +153,7 @@ def _flag(name: str) -> str:
 
 def config_from_args(args: Namespace, vocab_rows: int, embedding_width: int, layers: int) -> ModelConfig:
     """ModelConfig of a Megatron-LM model, every field set; CheckpointError naming the argument hybridpar's GPT
-    does not have, or one the tensors contradict (checked before anything is built: an absurd --num-layers over a
-    few blocks of tensors grew memory without bound)."""
+    does not have, or one the tensors contradict (before anything is built: 10^9 layers grew memory unbounded)."""
     a = vars(args)
     for name, found in (("num_layers", layers), ("hidden_size", embedding_width)):
         if a.get(name) != found:
@@ -194,8 +189,7 @@ def config_from_args(args: Namespace, vocab_rows: int, embedding_width: int, lay
         tie_embeddings=not a.get("untie_embeddings_and_output_weights", False)))
 
 
-# Megatron-LM training flags and the hybridpar settings they become (docs/checkpoints.md shows this table);
-# from-megatron copies the train/optim ones into the config.yaml it writes. LR schedules map by name.
+# Megatron-LM training flags -> hybridpar settings (docs/checkpoints.md), copied into from-megatron's config.yaml.
 ARG_MAP = [
     ("tensor_model_parallel_size", "parallel.tp"), ("micro_batch_size", "train.micro_batch_size"),
     ("global_batch_size", "train.global_batch_size"), ("seq_length", "train.seq_len"), ("train_iters", "train.steps"),
@@ -356,8 +350,7 @@ def _read_legacy(iter_dir: Path):
 
 # -- writing ----------------------------------------------------------------------------------------------------------
 def megatron_args(cfg: ModelConfig, train=None, iteration: int = 0) -> Namespace:
-    """The args Megatron-LM needs to rebuild a model of `cfg` (and, given the run's train config, its batch and
-    schedule): RoPE is written half-split, every LayerNorm with a bias (zero where hybridpar has none)."""
+    """The args Megatron-LM needs to rebuild `cfg` (with `train`, its batch and schedule); RoPE half-split."""
     a = dict(num_layers=cfg.n_layers, hidden_size=cfg.d_model, num_attention_heads=cfg.n_heads,
              group_query_attention=cfg.kv_heads != cfg.n_heads, num_query_groups=cfg.kv_heads,
              kv_channels=cfg.head_dim, ffn_hidden_size=cfg.ffn_dim, padded_vocab_size=cfg.vocab_size,
@@ -379,8 +372,8 @@ def megatron_args(cfg: ModelConfig, train=None, iteration: int = 0) -> Namespace
 
 
 def to_megatron_state(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict:
-    """torch_dist tensors (stacked, Transformer Engine names) of a hybridpar state dict. Biases Megatron's layout has
-    and hybridpar's model does not (LayerNorm without bias, Q/K/V bias beside linear biases) are written as zeros."""
+    """torch_dist tensors (stacked, Transformer Engine names) of a hybridpar state dict; biases hybridpar's model
+    lacks (LayerNorm without bias, Q/K/V bias beside linear biases) are written as zeros."""
     out: dict[str, list] = {}
     full = ModelConfig(**{**vars(cfg), "norm_bias": cfg.norm == "layernorm",
                           "qkv_bias": cfg.bias or cfg.attn_bias})  # the tensors Megatron's args will imply
