@@ -44,12 +44,10 @@ class Run:
     world: WorldInfo
     device: torch.device
     layout: Layout
-    gpus_per_node: int | None  # the bound on tp (None on the CPU)
     tokenizer: object
     run_dir: Path
     load_from: Path | None  # the checkpoint this run starts from
     run_state: Mapping  # that checkpoint's run_state.json ({} without one)
-    usable_bytes: int  # what each rank may allocate on its device (the minimum over ranks)
     lock: RunDirLock | None  # held by rank 0 of a run that owns its run dir
 
     @property
@@ -197,5 +195,4 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         if lock is not None:
             lock.release()
         raise
-    return Run(cfg, world, device, layout, node, tokenizer, run_dir, load_from, MappingProxyType(dict(run_state)),
-               usable, lock)
+    return Run(cfg, world, device, layout, tokenizer, run_dir, load_from, MappingProxyType(dict(run_state)), lock)

@@ -7,8 +7,9 @@ state-dict helpers strip FSDP, activation-checkpoint and compile wrappers.
 
 Layout of a run directory:
     <run.dir>/checkpoints/step_00000200/
-        .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": Trainer.state_dict(): step,
-                                        consumed_samples, skipped, skip_streak}
+        .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": Trainer.state_dict() (step,
+                                        consumed_samples, skipped, skip_streak) and data_key, the data
+                                        settings' CRC-32 (resume_checks.data_key)}
         config.yaml, tokenizer.*        what sampling or resuming needs besides tensors
         run_state.json                  the W&B run id (a resumed run logs into the same W&B run), the
                                         tokenizer's fingerprint (a resume with other data is refused) and a CPU
@@ -63,8 +64,8 @@ def _local_bytes(state) -> int:
 
 
 def _safe_load(state: dict, path: Path, planner, metadata=None, no_dist: bool = False) -> None:
-    """DCP load of `state` from checkpoint `path` through the safe reader and planner (hybridpar/checkpoint/safe_load.py), the
-    metadata read and checked once; our CheckpointErrors come out as themselves, not wrapped per rank by DCP."""
+    """DCP load of `state` from checkpoint `path` through the safe reader and planner (checkpoint/safe_load.py),
+    the metadata read and checked once; our CheckpointErrors come out as themselves, not wrapped per rank by DCP."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     reader = SafeReader(str(path), metadata if metadata is not None else read_metadata(path))

@@ -9,7 +9,9 @@ once by hybridpar.resolve, into a new Config. Loading from YAML and the command 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Optional, Union
 
 from hybridpar.models import get_model_config
@@ -172,6 +174,10 @@ class DataConfig:
         if len(weights) != 3 or not all(map(math.isfinite, weights)) or min(weights) < 0 or weights[0] <= 0 \
                 or weights[1] <= 0:
             raise ValueError(f"data.split={self.split!r}: give three weights train,valid,test with train and valid > 0, e.g. 98,1,1")
+
+    @property
+    def cache_path(self) -> Path:
+        return Path(os.path.expanduser(self.cache_dir))
 
     @property
     def split_fractions(self) -> tuple[float, float, float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
@@ -43,7 +42,7 @@ def _rank_zero_first(build):
 def load_data_tokenizer(d: DataConfig):
     """data.tokenizer, loaded once (hybridpar.resolve step 5). train-bpe:N learns from the train split's documents
     of the built-in corpus, and only there."""
-    cache_dir = Path(os.path.expanduser(d.cache_dir))
+    cache_dir = d.cache_path
     if cache_dir.exists() and not cache_dir.is_dir():
         raise ConfigError(f"data.cache_dir={d.cache_dir!r} is a file; give a directory (it holds the built corpus, "
                           f"tokenizers and index caches)")
@@ -64,7 +63,7 @@ def load_data_tokenizer(d: DataConfig):
 def prepare_builtin(d: DataConfig, tokenizer) -> tuple[str, str]:
     """The built-in corpus as an indexed dataset in the cache (built once per corpus and tokenizer); returns
     (prefix, description)."""
-    cache_dir = Path(os.path.expanduser(d.cache_dir))
+    cache_dir = d.cache_path
     docs, sha = load_builtin_corpus(cache_dir)
     prefix = cache_dir / f"builtin-{sha[:16]}-{tokenizer.fingerprint}"
     if not idx_path(prefix).is_file():
@@ -137,7 +136,7 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     n_valid = t.eval_batches * t.global_batch_size
     sets = build_gpt_datasets(blend, indexes, d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, vocab,
                               {"train": t.steps * t.global_batch_size, "valid": n_valid},
-                              Path(os.path.expanduser(d.cache_dir)))
+                              d.cache_path)
     pin = run.device.type == "cuda"
     train = GlobalBatchLoader(sets["train"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, vocab,
                               "train", pin_memory=pin)
