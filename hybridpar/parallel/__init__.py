@@ -71,9 +71,6 @@ def _saved_by_selective() -> frozenset:
     return frozenset(ops)
 
 
-SELECTIVE_OBSERVERS: list[list] = []  # measurement hooks (hybridpar.planning.dry_run): each list collects forward contexts
-
-
 def selective_contexts():
     """The context pair of one selectively checkpointed forward (torch.utils.checkpoint's op-level policy)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -83,10 +80,7 @@ def selective_contexts():
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
-    forward, recompute = create_selective_checkpoint_contexts(policy)
-    for seen in SELECTIVE_OBSERVERS:
-        seen.append(forward)
-    return forward, recompute
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, preserve_rng: bool = False) -> None:

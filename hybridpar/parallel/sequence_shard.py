@@ -7,8 +7,9 @@ full sequence x H, for the projections' weight gradients. `keep_sequence_shard(m
 region and microbatch, the same numbers.
 
 Mechanism: saved-tensor hooks around the module's forward. The gathered input is recognised by its storage and
-saved as a handle to the shard; every other tensor is saved as is. Saved-tensor hooks do not stack, so code that
-measures what autograd keeps registers in SAVED_OBSERVERS to hear about the tensors these hooks see.
+saved as a handle to the shard; every other tensor is saved as is. Saved-tensor hooks do not stack, so enclosing
+ones (a measurement of what autograd keeps, CPU offload) are called from these: they still see every saved tensor,
+the shard in place of the gathered input.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-SAVED_OBSERVERS: list = []  # callables(tensor) that want to hear of every tensor saved inside these hooks
+_same = (lambda t: t, lambda t: t)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -29,13 +30,13 @@ class _Regather:
     """A saved gathered input, held as the shard it came from; all-gathered again on its first use in backward and
     dropped after its last."""
 
-    def __init__(self, shard: DTensor, placements):
-        self.shard, self.placements, self.full, self.uses = shard, placements, None, 0
+    def __init__(self, shard: DTensor, placements, outer):
+        self.shard, self.placements, self.outer, self.full, self.uses = outer[0](shard), placements, outer, None, 0
 
     def get(self) -> DTensor:
         if self.full is None:
             with torch.no_grad():
-                self.full = self.shard.redistribute(placements=self.placements)
+                self.full = self.outer[1](self.shard).redistribute(placements=self.placements)
         full = self.full
         self.uses -= 1
         if self.uses == 0:
@@ -56,26 +57,24 @@ def keep_sequence_shard(module: nn.Module) -> None:
         if not (torch.is_grad_enabled() and isinstance(shard, DTensor) and isinstance(gathered, DTensor)
                 and shard.placements != gathered.placements):
             return  # evaluation, or nothing was gathered
-        ptr, handle = _storage(gathered), _Regather(shard, gathered.placements)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False) or _same  # enclosing hooks, if any
+        ptr, handle = _storage(gathered), None
 
         def pack(t):
             # the gathered tensor itself or a contiguous reshape of it (a linear saves its input as a (tokens, H)
             # view); anything else sharing its storage is saved as is
             if (isinstance(t, DTensor) and _storage(t) == ptr and t.numel() == gathered.numel()
                     and t._local_tensor.is_contiguous()):
-                if handle.uses == 0:
-                    for observe in SAVED_OBSERVERS:
-                        observe(shard)
+                nonlocal handle
+                handle = handle or _Regather(shard, gathered.placements, outer)
                 handle.uses += 1
                 return handle, t.shape
-            for observe in SAVED_OBSERVERS:
-                observe(t)
-            return t
+            return outer[0](t)
 
         def unpack(x):
             if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], _Regather):
                 return x[0].get().view(x[1])
-            return x
+            return outer[1](x)
 
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         hooks.__enter__()

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 from contextlib import nullcontext
+from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -84,10 +85,9 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
     """Bytes autograd keeps for backward in one forward of a real (non-meta) model, each storage once, parameters
     excluded; with targets, through the loss: `fused` (the model's chunked LM head + loss) or `plain` (logits,
     then hybridpar's token_loss_sum). A checkpointed block shows up as the input it keeps, and a selectively
-    checkpointed one also as the op outputs its policy cached (read from torch.utils.checkpoint's cache)."""
+    checkpointed one also as the op outputs its policy cached (read from torch.utils.checkpoint's cache, whose
+    forward contexts each checkpoint wrapper's context_fn is wrapped to record for the call)."""
     from hybridpar.training.microbatch import chunked_loss, logits_loss
-    from hybridpar.parallel import SELECTIVE_OBSERVERS
-    from hybridpar.parallel.sequence_shard import SAVED_OBSERVERS
 
     params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -100,8 +100,17 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
 
     ctx = torch.autocast(input_ids.device.type, dtype=torch.bfloat16) if autocast else nullcontext()
     contexts: list = []
-    SELECTIVE_OBSERVERS.append(contexts)
-    SAVED_OBSERVERS.append(pack)  # tensors saved under the sequence-shard hooks, which hide them from these
+
+    def recording(context_fn):
+        def contexts_of_one_forward():
+            forward, recompute = context_fn()
+            contexts.append(forward)
+            return forward, recompute
+        return contexts_of_one_forward
+
+    wrappers = [m for m in model.modules() if "context_fn" in getattr(getattr(m, "checkpoint_fn", 0), "keywords", {})]
+    for m in wrappers:
+        m.checkpoint_fn = partial(m.checkpoint_fn, context_fn=recording(m.checkpoint_fn.keywords["context_fn"]))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
             if targets is None:
@@ -109,8 +118,8 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
             else:
                 out = (chunked_loss if loss == "fused" else logits_loss)(model, input_ids, targets)
     finally:
-        SELECTIVE_OBSERVERS.remove(contexts)
-        SAVED_OBSERVERS.remove(pack)
+        for m in wrappers:
+            m.checkpoint_fn = m.checkpoint_fn.func
     for forward in contexts:  # torch's caching mode: {op key: {call index: _VersionWrapper(tensor) or a marker}}
         for calls in forward.storage.values():
             for entry in calls.values():
