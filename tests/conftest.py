@@ -7,6 +7,7 @@ Two tiers: tests marked `multiprocess` start processes (the launchers, gloo rank
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,16 +21,32 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _unit_tests_start_no_process(request, monkeypatch):
-    if request.node.get_closest_marker("multiprocess"):
+@contextlib.contextmanager
+def _no_process_started(item):
+    """Around an unmarked test's set-up (its fixtures of every scope included) and call: starting a process fails."""
+    if item.get_closest_marker("multiprocess"):
+        yield
         return
 
     def refuse(*_a, **_k):
-        raise AssertionError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.multiprocess")
+        raise AssertionError(f"{item.nodeid} starts a process: mark it @pytest.mark.multiprocess")
 
-    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "__init__", refuse)
+        mp.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _no_process_started(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _no_process_started(item):
+        return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend, parse_blend
+from hybridpar.data.gpt_data import GlobalBatchLoader, _megatron, build_gpt_datasets, open_blend, parse_blend
 from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
 from hybridpar.data.tokenizer import ByteTokenizer
 
+_megatron()  # megatron.core's datasets the way hybridpar imports them (without the package's model-stack __init__)
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder

@@ -58,6 +58,7 @@ def one_process_init(tmp_path_factory, cache_dir):
     return _seed_checkpoint(tmp_path_factory.mktemp("seed"), cache_dir, "single")
 
 
+@pytest.mark.multiprocess  # the fixture runs the launcher
 def test_seed_checkpoint_holds_the_models_own_init(one_process_init):
     # Second path to the same numbers: the plain model's init_weights(seed), no trainer, no checkpoint.
     want = build_model(get_model_config("tiny", n_layers=2), device="cpu", seed=1234).state_dict()
