@@ -3,8 +3,8 @@
 A fake process group of the requested world size stands in for NCCL (its collectives return at once), and the
 trainer's own start-up (hybridpar.parallel.startup: meta-device build, the real parallelize function for one rank's
 coordinates, then that rank's shards materialised and initialised on the CPU) runs for real; an AdamW step on zero
-gradients (of meta twins of the shards) creates the optimizer state. What comes out is that rank's local shard shapes and bytes, the bytes it
-actually allocated and the time its init took: the figures the planner (hybridpar.planning.cost) must reproduce.
+gradients of meta twins of the shards creates the optimizer state. What comes out is that rank's local shard shapes
+and bytes, the bytes it allocated and its init time: the figures the planner (hybridpar.planning.cost) must reproduce.
 """
 
 from __future__ import annotations
