@@ -121,6 +121,29 @@ def test_global_order_is_the_same_for_any_dp_and_across_a_resume(tmp_path):
         assert torch.equal(global_batch(2, 4, s, resumed), runs[1][s])
 
 
+
+def test_batch_crc32_covers_the_inputs_and_targets_of_the_ranks_samples(tmp_path):
+    """batch_crc32 against a CRC-32 computed here: of the int64 inputs, then the targets (IGNORE_INDEX where the loss
+    mask is 0), of the samples a rank holds at a step, taken from megatron-core's dataset by hand-computed index
+    (step 2, dp rank 1 of 2, global batch 8: samples 20..23)."""
+    import zlib
+
+    prefix = _write(tmp_path / "d", _docs(300, seed=3))
+    train = build_gpt_datasets(*open_blend(prefix), "100,1,0", (100 / 101, 1 / 101, 0.0), 16, 7, ByteTokenizer(), 256,
+                               {"train": 8 * 4}, tmp_path / "cache")["train"]
+    loader = GlobalBatchLoader(train, 8, 2, 1, 2, 256, "train")
+    try:
+        loader.microbatches(2)
+        got = loader.crc32[2]
+    finally:
+        loader.close()
+    rows = [train[i] for i in range(20, 24)]
+    inputs = np.stack([np.asarray(r["tokens"], dtype=np.int64) for r in rows])
+    targets = np.stack([np.where(np.asarray(r["loss_mask"]) == 0, -100, np.asarray(r["labels"])).astype(np.int64)
+                        for r in rows])
+    assert got == zlib.crc32(targets.tobytes(), zlib.crc32(inputs.tobytes()))
+    assert got != zlib.crc32(inputs.tobytes())  # the targets count: a CRC of the inputs alone would not pass
+
 def test_bad_data_errors(tmp_path):
     good = _write(tmp_path / "good", _docs(20))
     with pytest.raises(DataError, match=r"missing.idx does not exist"):
