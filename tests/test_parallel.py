@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import loss_curve, run_cli
+from conftest import loss_curve, run_cli, step_rows
 from hybridpar.checkpoint.dcp import checkpoint_dir, load_full_model_state
 from hybridpar.config.cli import load_config
 from hybridpar.parallel.distributed import resolve_degrees, world_from_env
@@ -57,7 +57,13 @@ def reference(tmp_path_factory, cache_dir):
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     ckpt = checkpoint_dir(root / "ref", 6)
     assert (ckpt / "tokenizer.json").is_file() and "steps: 6" in (ckpt / "config.yaml").read_text()
-    return losses, _final_weights(root / "ref")
+    return losses, _final_weights(root / "ref"), _grad_norms(root / "ref")
+
+
+def _grad_norms(run_dir) -> dict[int, float]:
+    """Each step's gradient norm before clipping: Adam's update hides a gradient scaled by a constant (a wrong
+    data-parallel divisor changes the weights only through eps and clipping), the norm shows it in full."""
+    return {step: row["grad_norm"] for step, row in step_rows(run_dir).items()}
 
 
 # (dp_replicate, dp_shard, tp) -> processes, and switches that change where and when things are computed or stored
@@ -86,7 +92,14 @@ def test_layout_gives_the_single_process_loss_curve(layout, nproc, extra, refere
                                                                  *extra], dp=r * s)
     assert f"'dp_replicate': {r}, 'dp_shard': {s}, 'tp': {t}" in stdout
     assert "2 microbatch(es)" in stdout
-    ref_losses, ref_weights = reference
+    ref_losses, ref_weights, ref_norms = reference
+    # Step 1's gradient is taken at the same initial weights: equal to summation order (2e-6 measured); later ones
+    # at weights that already differ by rounding, amplified through Adam (2.5e-5 at step 4 of r2s2t1). A wrong
+    # data-parallel divisor is off by a factor of 2 or more at every step.
+    norms = _grad_norms(tmp_path / "run")
+    assert abs(norms[1] - ref_norms[1]) <= 1e-5 * ref_norms[1], (norms, ref_norms)
+    for step, want in ref_norms.items():
+        assert abs(norms[step] - want) <= 1e-3 * want, (step, norms, ref_norms)
     assert sorted(losses) == sorted(ref_losses)
     for step, want in ref_losses.items():
         assert abs(losses[step] - want) <= 1e-5 * abs(want), (losses, ref_losses)
@@ -124,6 +137,47 @@ def test_fsdp_strategy_names_pick_the_layout():
     with pytest.raises(ValueError, match="fsdp_strategy=1: an integer reshard group must be >= 2"):
         load_config(["--parallel.fsdp_strategy", "1"])
 
+
+
+@pytest.mark.parametrize("strategy, degrees, block_reshard", [
+    ("full_shard", (1, 8, 1), 8), ("shard_grad_op", (1, 8, 1), None), ("2", (1, 8, 1), 2), ("4", (1, 8, 1), 4),
+    ("full_shard", (2, 4, 1), 4), ("4", (1, 4, 2), None)])
+def test_fsdp_is_given_what_the_strategy_says(strategy, degrees, block_reshard):
+    """What fully_shard was given, read back from each FSDP module (in this process, a fake 8-rank group): the shard
+    group size (dp_shard) and, after a block's forward, the group its parameters stay sharded over (dp_shard for
+    full_shard, N for an integer, none: kept gathered for shard_grad_op and for the root); an integer equal to
+    dp_shard is refused (the last case: 4 over dp_shard 4)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hybridpar.models import build_model
+    from hybridpar.parallel import parallelize_gpt
+    from hybridpar.parallel.distributed import MESH_AXES
+
+    r, s, t = degrees
+    argv = ["--model.n_layers", "2", "--parallel.fsdp_strategy", strategy, "--parallel.dp_replicate", str(r),
+            "--parallel.dp_shard", str(s), "--parallel.tp", str(t)]
+    cfg = load_config(argv)
+    if block_reshard is None and strategy != "shard_grad_op":
+        with pytest.raises(ValueError, match=f"fsdp_strategy={strategy} must divide parallel.dp_shard={s}"):
+            check_layout(cfg, degrees, None)
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        model = parallelize_gpt(build_model(cfg.model, device="meta"), init_device_mesh("cpu", degrees,
+                                                                                        mesh_dim_names=MESH_AXES), cfg)
+        for module, after_forward in [(model.layers[0], block_reshard), (model.layers[1], block_reshard),
+                                      (model, None)]:
+            group = module._get_fsdp_state()._fsdp_param_group
+            assert group.mesh_info.shard_mesh_size == s and group.mesh_info.shard_process_group.size() == s
+            if r > 1:
+                assert group.mesh_info.replicate_mesh_size == r
+            post = group.post_forward_mesh_info
+            assert (None if post is None else (post.shard_mesh_size, post.shard_process_group.size())) == (
+                None if after_forward is None else (after_forward, after_forward)), (strategy, type(module).__name__)
+    finally:
+        dist.destroy_process_group()
 
 @pytest.mark.parametrize("argv, degrees, gpus, message", [
     (["--model.n_heads", "2"], (1, 1, 4), None, "model.n_heads=2"),
