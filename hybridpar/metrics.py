@@ -27,10 +27,20 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")  # what wandb accepts in WANDB_MODE
+
+
 def wandb_mode(configured: str | None) -> str:
-    """The configured mode, or online when an API key is available and offline otherwise."""
+    """logging.wandb.mode; else WANDB_MODE from the environment; else online when an API key is available and
+    offline otherwise. A WANDB_MODE wandb would refuse (even beside an explicit mode) is a ConfigError."""
+    env = os.environ.get("WANDB_MODE")
+    if env is not None and env not in WANDB_MODES and configured != "disabled":
+        raise ConfigError(f"WANDB_MODE={env!r} in the environment is not a W&B mode (wandb refuses to start with it); "
+                          f"unset it, or set it to online, offline or disabled")
     if configured is not None:
         return configured
+    if env:
+        return {"dryrun": "offline", "run": "online", "shared": "online"}.get(env, env)
     if os.environ.get("WANDB_API_KEY"):
         return "online"
     try:
@@ -58,11 +68,21 @@ class MetricsLogger:
         if mode != "disabled":
             import wandb
 
-            resume = {"resume": "allow"} if w.id and mode == "online" else {}
-            self.wandb_run = wandb.init(mode=mode, project=w.project, entity=w.entity, id=w.id,
-                                        name=w.name or cfg.run.name, group=w.group, tags=w.tags or None,
-                                        dir=w.dir or str(run_dir), config=config_dict,
-                                        settings=wandb.Settings(console="off", silent=True), **resume)
+            def init(mode: str, **settings):
+                resume = {"resume": "allow"} if w.id and mode == "online" else {}
+                return wandb.init(mode=mode, project=w.project, entity=w.entity, id=w.id, name=w.name or cfg.run.name,
+                                  group=w.group, tags=w.tags or None, dir=w.dir or str(run_dir), config=config_dict,
+                                  settings=wandb.Settings(console="off", silent=True, **settings), **resume)
+
+            if mode == "online" and w.mode is None and not os.environ.get("WANDB_MODE"):
+                # online only because a key exists: a node that cannot reach W&B logs offline rather than failing
+                try:
+                    self.wandb_run = init(mode, init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 30)))
+                except wandb.errors.Error as e:
+                    self.print(f"W&B unreachable ({str(e).splitlines()[0][:200]}); logging offline instead")
+                    mode = "offline"
+            if self.wandb_run is None:
+                self.wandb_run = init(mode)
             self.print(f"W&B {mode} run {self.wandb_run.id}" + (
                 f": upload later with `wandb sync {self.wandb_run.dir.rsplit('/files', 1)[0]}`" if mode == "offline" else ""))
         if cfg.logging.tensorboard:

@@ -30,6 +30,7 @@ from hybridpar.checkpoint.run_dir import RunDirLock
 from hybridpar.config import Config
 from hybridpar.data.dataset import load_data_tokenizer
 from hybridpar.errors import ConfigError, RunDirError
+from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
 from hybridpar.parallel.distributed import WorldInfo, gpus_per_node, resolve_degrees
 from hybridpar.planning.layouts import choose_accumulation, gpu_by_name, refuse_if_too_big, usable_bytes
@@ -177,6 +178,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         load_from = _checkpoint_to_load(cfg, run_dir) if own_run_dir else None
         run_state = read_run_state(load_from) if load_from is not None else {}
         wandb = cfg.logging.wandb
+        wandb_mode(wandb.mode)  # a WANDB_MODE wandb would refuse: refused now, before the run writes anything
         if wandb.id is None and load_from is not None and not cfg.checkpoint.load_weights_only:
             wandb = replace(wandb, id=run_state.get("wandb_id"))
         if tokenizer is None:  # 5

@@ -94,6 +94,50 @@ def test_disabled_writes_no_wandb_files(tmp_path, cache_dir):
     assert not list((tmp_path / "run").rglob("*wandb*"))
 
 
+
+def test_wandb_mode_from_the_environment(monkeypatch):
+    from hybridpar.errors import ConfigError
+    from hybridpar.metrics import wandb_mode
+
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    assert wandb_mode(None) == "online"
+    monkeypatch.setenv("WANDB_MODE", "offline")  # the environment's choice beats the key's default
+    assert wandb_mode(None) == "offline" and wandb_mode("online") == "online"
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    assert wandb_mode(None) == "offline"
+    for bad in ("", "bogus", "Offline"):
+        monkeypatch.setenv("WANDB_MODE", bad)
+        with pytest.raises(ConfigError, match=f"WANDB_MODE={bad!r} in the environment is not a W&B mode"):
+            wandb_mode("offline")
+        assert wandb_mode("disabled") == "disabled"  # wandb is never started
+
+
+@pytest.mark.multiprocess
+def test_an_empty_wandb_mode_is_one_line_and_writes_nothing(tmp_path, cache_dir):
+    out = run_cli(["launch/pretrain_gpt.py", *ARGS, "--data.cache_dir", str(cache_dir), "--run.dir",
+                   str(tmp_path / "run")], env={**os.environ, "WANDB_MODE": ""})
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: WANDB_MODE='' in the environment"), out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.multiprocess
+def test_unreachable_wandb_with_a_key_logs_offline(tmp_path, cache_dir):
+    """A key set and the W&B server not answering (a loopback port nothing listens on): one line, then offline."""
+    import socket
+
+    with socket.socket() as s:  # a free loopback port, closed again: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**_env_with_key(), "WANDB_BASE_URL": f"http://127.0.0.1:{port}", "WANDB_INIT_TIMEOUT": "3"}
+    run_dir = tmp_path / "run"
+    out = run_cli(["launch/pretrain_gpt.py", *ARGS, "--train.steps", "2", "--checkpoint.interval", "0",
+                   "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)], env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "W&B unreachable (" in out.stdout and "logging offline instead" in out.stdout
+    assert "W&B offline run" in out.stdout and len(_wandb_files(run_dir)) == 1
+    assert FAKE_KEY not in out.stdout + out.stderr
+
 def test_api_key_is_in_no_file_the_run_writes(offline_run):
     run_dir, out = offline_run
     assert FAKE_KEY not in out.stdout + out.stderr
