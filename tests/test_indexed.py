@@ -194,4 +194,30 @@ def test_index_caches_go_to_the_cache_dir_not_next_to_the_data(tmp_path):
     build_gpt_datasets(*open_blend(prefix), "90,10,0", (0.9, 0.1, 0.0), 8, 0, ByteTokenizer(), 256, {"train": 20, "valid": 5},
                        tmp_path / "cache")
     assert sorted(p.name for p in data_dir.rglob("*")) == before
-    assert any((tmp_path / "cache" / "megatron-index").glob("*.npy"))
+    assert any((tmp_path / "cache" / "megatron-index").glob("*/*.npy"))
+
+
+def test_a_prefix_preprocessed_again_gets_fresh_index_caches(tmp_path):
+    """megatron-core keys its index caches by the prefix's path: data written again under the same prefix (fewer,
+    shorter documents) reused the old sample index, whose offsets run past the new file."""
+    prefix = _write(tmp_path / "d", _docs(200, seed=4, hi=250))
+    args = ("100,1,0", (100 / 101, 1 / 101, 0.0), 16, 0, ByteTokenizer(), 256, {"train": 40}, tmp_path / "cache")
+    first = build_gpt_datasets(*open_blend(prefix), *args)["train"]
+    assert len(first) >= 40 and first[39]["tokens"].shape == (16,)
+    docs = _docs(60, seed=5, lo=250, hi=256)  # other ids: a stale index would show the old ones or run off the end
+    _write(tmp_path / "d", docs)
+    again = build_gpt_datasets(*open_blend(prefix), *args)["train"]
+    seen = torch.cat([again[i]["tokens"] for i in range(40)])
+    assert int(seen.min()) >= 250
+    assert len(list((tmp_path / "cache" / "megatron-index").iterdir())) == 2
+
+
+def test_negative_token_ids_are_refused(tmp_path):
+    with pytest.raises(DataError, match=r"token id -3 is negative"):
+        _write(tmp_path / "w", [np.array([5, 6, -3, 7])], dtype=np.int32)
+    prefix = _write(tmp_path / "neg", [np.array([5, 6, 4, 7]), np.array([8, 9])] * 10, dtype=np.int32)
+    data = bytearray((tmp_path / "neg.bin").read_bytes())
+    data[8:12] = np.array([-3], dtype=np.int32).tobytes()  # a damaged file: the third token of document 0
+    (tmp_path / "neg.bin").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"neg.bin holds token id -3: token ids are >= 0"):
+        IndexedTokens(prefix).check_vocab(256, 256)

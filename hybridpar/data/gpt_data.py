@@ -14,6 +14,7 @@ training process group's), then read them: data.cache_dir must be shared by all 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import importlib.util
 import logging
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hybridpar.data.indexed import DataError, IndexedTokens
+from hybridpar.data.indexed import DataError, IndexedTokens, bin_path, idx_path
 
 SPLITS = ("train", "valid", "test")
 IGNORE_INDEX = -100  # a target that counts zero in the loss (torch's cross_entropy default)
@@ -130,12 +131,24 @@ def _megatron():
     return BlendedDataset, GPTDataset, GPTDatasetConfig, IndexedDataset, Split
 
 
+def _files_key(blend) -> str:
+    """The identity of the blend's files (path, size, modification time): megatron-core keys its index caches by
+    the prefix alone, so a prefix preprocessed again must get caches of its own (a stale one indexes old offsets)."""
+    h = hashlib.sha256()
+    for _, prefix in blend:
+        for f in (bin_path(prefix), idx_path(prefix)):
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num_samples: dict[str, int],
            cache_dir: Path) -> dict[str, object]:
     BlendedDataset, GPTDataset, GPTDatasetConfig, IndexedDataset, Split = _megatron()
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_len, blend=([p for _, p in blend], [w for w, _ in blend]),
-        split=split, path_to_cache=str(cache_dir / "megatron-index"), tokenizer=_TokenizerView(tokenizer),
+        split=split, path_to_cache=str(cache_dir / "megatron-index" / _files_key(blend)),
+        tokenizer=_TokenizerView(tokenizer),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         mid_level_dataset_surplus=SURPLUS)
     low = {p: IndexedDataset(p, multimodal=False, mmap=True) for _, p in blend}
@@ -209,10 +222,11 @@ class GlobalBatchLoader:
         y = torch.stack([r["labels"] for r in rows])
         mask = torch.stack([r["loss_mask"] for r in rows])
         y = y.masked_fill(mask == 0, IGNORE_INDEX)
-        hi = int(torch.maximum(x.max(), y.max()))
-        if hi >= self.vocab_size:
-            raise DataError(f"{self.name} samples {idx.start}..{idx.stop - 1} hold token id {hi} >= "
-                            f"model.vocab_size={self.vocab_size}: the data was tokenized with another tokenizer")
+        hi, lo = int(torch.maximum(x.max(), y.max())), int(x.min())
+        if hi >= self.vocab_size or lo < 0:
+            raise DataError(f"{self.name} samples {idx.start}..{idx.stop - 1} hold token id {hi if lo >= 0 else lo} "
+                            f"outside [0, model.vocab_size={self.vocab_size}): the data was tokenized with another "
+                            f"tokenizer, or is damaged")
         # What this rank trains on at `step`, in 32 bits: equal across a kill and resume, or between two runs, means
         # the same tokens and targets in the same order (logged as batch_crc32).
         self.crc32[step] = zlib.crc32(y.numpy().tobytes(), zlib.crc32(x.numpy().tobytes()))

@@ -66,7 +66,9 @@ class IndexedWriter:
 
     def add_document(self, tokens) -> None:
         tokens = np.asarray(tokens)
-        if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(self.dtype).max):
+        if tokens.size and tokens.min() < 0:
+            raise DataError(f"token id {int(tokens.min())} is negative: token ids are >= 0")
+        if tokens.size and tokens.max() > np.iinfo(self.dtype).max:
             raise DataError(f"token id {int(tokens.max())} does not fit {self.dtype}; write with a wider dtype")
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes(order="C"))
         self.lengths.append(int(tokens.size))
@@ -199,6 +201,10 @@ class IndexedTokens:
             starts = np.linspace(0, len(tokens) - (1 << 20), 64, dtype=np.int64)
             tokens = np.concatenate([tokens[s:s + (1 << 20)] for s in starts])
         hi = int(tokens.max()) if len(tokens) else -1
+        lo = int(tokens.min()) if len(tokens) and self.dtype.kind == "i" else 0
+        if lo < 0:
+            raise DataError(f"{bin_path(self.prefix)} holds token id {lo}: token ids are >= 0, so the file is damaged "
+                            f"or not token data; re-run launch/preprocess_data.py")
         if hi >= vocab_size:
             raise DataError(f"{bin_path(self.prefix)} holds token id {hi} >= model.vocab_size={vocab_size}: it was "
                             f"tokenized with another tokenizer; use that tokenizer or re-run launch/preprocess_data.py")
