@@ -89,6 +89,81 @@ def test_tokenizer_spec_errors(tmp_path):
             load_tokenizer(spec, [], "", tmp_path)
 
 
+
+def test_damaged_tokenizer_files_are_one_line_errors(tmp_path):
+    """Truncated and foreign tokenizer files of each kind, read as training and preprocessing read them."""
+    import sentencepiece as spm
+
+    from hybridpar.errors import ConfigError
+
+    docs, _ = load_builtin_corpus_small()
+    bpe = train_bpe(docs, 600)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "gpt2").mkdir()
+    bpe.model.save(str(tmp_path / "gpt2"))
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_prefix=str(tmp_path / "sp"), vocab_size=200,
+                                   model_type="bpe", minloglevel=2)
+    cases = []
+    for name, spec, what in [("tokenizer.json", "bpe:{}", "tokenizer.json"), ("sp.model", "sentencepiece:{}",
+                             "SentencePiece .model"), ("gpt2/vocab.json", "gpt2:{}", "GPT-2's vocab.json")]:
+        good = (tmp_path / name).read_bytes()
+        for damage, content in [("truncated", good[:len(good) // 2]), ("foreign", b"\x89PNG\r\n\x1a\n" + good[8:]),
+                                ("empty", b"")]:
+            (tmp_path / name).write_bytes(content)
+            target = tmp_path / ("gpt2" if name.startswith("gpt2") else name)
+            with pytest.raises(ConfigError, match=rf"is not a valid {what}") as e:
+                load_tokenizer(spec.format(target))
+            assert "\n" not in str(e.value)
+            cases.append((name, damage))
+        (tmp_path / name).write_bytes(good)
+    assert len(cases) == 9
+
+
+def test_a_tokenizer_without_an_end_of_document_token_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hybridpar.errors import ConfigError
+
+    docs, _ = load_builtin_corpus_small()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "noeod.json"))
+    with pytest.raises(ConfigError, match="has no end-of-document token"):
+        load_tokenizer(f"bpe:{tmp_path / 'noeod.json'}")
+    tok.add_special_tokens(["</s>"])  # a Llama-2 style end of document is taken
+    tok.save(str(tmp_path / "s.json"))
+    assert load_tokenizer(f"bpe:{tmp_path / 's.json'}").eod_id == tok.token_to_id("</s>")
+
+    import sentencepiece as spm
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(docs), model_prefix=str(tmp_path / "sp"), vocab_size=200,
+                                   model_type="bpe", minloglevel=2, eos_id=-1)
+    with pytest.raises(ConfigError, match="has no EOS piece"):
+        load_tokenizer(f"sentencepiece:{tmp_path / 'sp.model'}")
+
+
+def test_an_end_of_document_text_inside_a_document_does_not_split_it(tmp_path):
+    from hybridpar.data.indexed import DataError
+    from hybridpar.data.preprocess import iter_documents, preprocess
+
+    docs, _ = load_builtin_corpus_small()
+    train_bpe(docs, 600).save(str(tmp_path / "tokenizer.json"))
+    spec = f"bpe:{tmp_path / 'tokenizer.json'}"
+    texts = ["a story <|endoftext|> that goes on", "next"]
+    summary = preprocess(iter(texts), spec, tmp_path / "out")
+    tok = load_tokenizer(spec)
+    got, eods = _docs_of(tmp_path / "out", tok)
+    assert summary.documents == 2 and got == texts and eods == [tok.eod_id] * 2  # one EOD each, at the end
+    with pytest.raises(DataError, match=r"document 2 \(in input order\) holds the end-of-document token 0"):
+        preprocess(iter(["fine", "a NUL \x00 inside"]), "bytes", tmp_path / "nul")
+    (tmp_path / "arr.jsonl").write_text(json.dumps([{"text": "a"}, {"text": "b"}]) + "\n")
+    (tmp_path / "pretty.json").write_text(json.dumps([{"text": "a"}], indent=2))
+    for name, message in [("arr.jsonl", r"arr.jsonl:1 is a JSON array, not an object"),
+                          ("pretty.json", r"pretty.json:1 is not valid JSON .* jq -c '.\[\]' FILE > FILE.jsonl")]:
+        with pytest.raises(DataError, match=message):
+            list(iter_documents([tmp_path / name]))
+
 def test_vocab_padding_rule():
     tok = lambda n: type("T", (), {"vocab_size": n, "spec": "x"})()  # noqa: E731
     # not given: the tokenizer's size padded up to vocab_multiple x tp (hand-computed: 50257 -> 393 x 128 = 50304)
@@ -139,7 +214,7 @@ def test_preprocess_plain_text_blank_line_blocks(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--json-key", "body"], "has no key 'body' (it has ['id', 'text']); pass --json-key"),
+    (["--json-key", "body"], "has no key 'body' (it has ['id', 'text']); pass --json-key with the key"),
     (["--tokenizer", "train-bpe:1000"], "train a tokenizer first with launch/train_tokenizer.py"),
     (["--workers", "0"], "--workers 0: give at least 1"),
 ])
@@ -151,6 +226,19 @@ def test_preprocess_errors_are_one_line_and_write_nothing(tmp_path, jsonl, args,
     assert out.returncode == 2 and out.stderr.strip().startswith("error:") and message in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_tokenizer_stops_training_and_preprocessing_with_one_line(tmp_path, jsonl):
+    (tmp_path / "tok.json").write_text('{"model": {"type": "BPE", "vocab": {')  # cut off mid-file
+    spec = f"bpe:{tmp_path / 'tok.json'}"
+    for argv in (["launch/pretrain_gpt.py", "--data.tokenizer", spec, "--run.dir", str(tmp_path / "run")],
+                 ["launch/preprocess_data.py", "--input", str(jsonl), "--tokenizer", spec, "--output-prefix",
+                  str(tmp_path / "x")]):
+        out = run_cli(argv)
+        assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "tok.json is not a valid tokenizer.json (EOF while parsing" in out.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.json"]
 
 @pytest.mark.multiprocess
 def test_preprocess_refuses_to_overwrite(tmp_path, jsonl):

@@ -93,10 +93,18 @@ def iter_documents(paths: Iterable[Path], json_key: str = "text", blank_line_doc
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object") from None
-                if not isinstance(record, dict) or json_key not in record:
-                    keys = list(record)[:5] if isinstance(record, dict) else type(record).__name__
-                    raise DataError(f"{path}:{n} has no key {json_key!r} (it has {keys}); pass --json-key")
+                    hint = (" (a file holding one JSON array converts with jq -c '.[]' FILE > FILE.jsonl)"
+                            if n == 1 and line.lstrip().startswith("[") else "")
+                    raise DataError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object"
+                                    f"{hint}") from None
+                if not isinstance(record, dict):
+                    kind = {list: "array", str: "string", bool: "boolean"}.get(type(record), type(record).__name__)
+                    raise DataError(f"{path}:{n} is a JSON {kind}, not an object: each line must be one object such "
+                                    f"as {{\"{json_key}\": \"...\"}} (a file holding one JSON array converts with "
+                                    f"jq -c '.[]' FILE > FILE.jsonl)")
+                if json_key not in record:
+                    raise DataError(f"{path}:{n} has no key {json_key!r} (it has {list(record)[:5]}); pass "
+                                    f"--json-key with the key that holds the text")
                 text = record[json_key]
                 if not isinstance(text, str):
                     kind = "null" if text is None else type(text).__name__
@@ -176,6 +184,10 @@ def preprocess(docs: Iterator[str], tokenizer_spec: str, output_prefix: str | Pa
         nonlocal last_print
         for ids in encoded:
             ids = np.asarray(ids, dtype=np.int64)
+            if (ids == tok.eod_id).any():  # only the bytes tokenizer can: its end-of-document token is NUL
+                raise DataError(f"document {summary.documents + 1:,} (in input order) holds the end-of-document "
+                                f"token {tok.eod_id} inside its text (a NUL byte with --tokenizer bytes), which would "
+                                f"split it in two; remove it from the input, or use another tokenizer")
             if append_eod:
                 ids = np.append(ids, tok.eod_id)
             if ids.size:

@@ -2,10 +2,14 @@
 
 Specs (data.tokenizer, and --tokenizer of launch/preprocess_data.py):
 - `bytes`: the 256 byte values, no files; byte 0 (NUL, absent from text) doubles as the end-of-document token.
-- `bpe:PATH`: a Hugging Face `tokenizer.json`; its `<|endoftext|>` token (or the last id) ends documents.
+- `bpe:PATH`: a Hugging Face `tokenizer.json`; its end-of-document token (the first of EOD_TOKENS it has) ends
+  documents; one without any is refused.
 - `gpt2:DIR`: GPT-2's byte-level BPE from `vocab.json` + `merges.txt` (or OpenAI's `encoder.json` + `vocab.bpe`),
   read offline; 50,257 tokens, `<|endoftext|>` = 50256.
-- `sentencepiece:MODEL`: a SentencePiece `.model` file; its EOS piece ends documents.
+- `sentencepiece:MODEL`: a SentencePiece `.model` file; its EOS piece ends documents (one without is refused).
+
+A document's own text never produces the end-of-document id: a literal `<|endoftext|>` in it is encoded as text,
+and the bytes tokenizer refuses a NUL (hybridpar.data.preprocess).
 - `train-bpe:N`: a byte-level BPE of N tokens trained with Hugging Face `tokenizers` on the training split of the
   built-in corpus (about a second for 8k tokens), cached under data.cache_dir by corpus hash and N.
   `python launch/train_tokenizer.py` trains one on your own files.
@@ -20,7 +24,8 @@ from typing import Iterable
 
 from hybridpar.errors import ConfigError
 
-EOD_TOKEN = "<|endoftext|>"
+EOD_TOKEN = "<|endoftext|>"  # what hybridpar's trained BPEs use
+EOD_TOKENS = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # GPT-2, Llama 3, Llama 2 / Mistral, Gemma
 
 
 class ByteTokenizer:
@@ -53,8 +58,12 @@ class HFTokenizer:
     def __init__(self, tok, spec: str):
         self.tok, self.spec = tok, spec
         self.vocab_size = tok.get_vocab_size()
-        eod = tok.token_to_id(EOD_TOKEN)
-        self.eod_id = eod if eod is not None else self.vocab_size - 1
+        eod = [i for i in map(tok.token_to_id, EOD_TOKENS) if i is not None]
+        if not eod:
+            raise ConfigError(f"data.tokenizer={spec!r} has no end-of-document token ({', '.join(EOD_TOKENS)}); "
+                              f"add one as a special token (launch/train_tokenizer.py adds {EOD_TOKEN})")
+        self.eod_id = eod[0]
+        tok.encode_special_tokens = True  # a literal "<|endoftext|>" in a text is text, not a document boundary
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text).ids
@@ -80,9 +89,13 @@ class SentencePieceTokenizer:
         except ImportError:
             raise ConfigError(f"data.tokenizer={spec!r} needs the sentencepiece package: pip install sentencepiece")
         self.path, self.spec = path, spec
-        self.sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        self.sp = _read(spec, path, "SentencePiece .model",
+                        lambda: sentencepiece.SentencePieceProcessor(model_file=path))
         self.vocab_size = self.sp.get_piece_size()
-        self.eod_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else self.vocab_size - 1
+        if self.sp.eos_id() < 0:
+            raise ConfigError(f"data.tokenizer={spec!r} has no EOS piece to end documents with; train it with an "
+                              f"eos_id (SentencePiece's default, 2)")
+        self.eod_id = self.sp.eos_id()
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -112,10 +125,21 @@ def _gpt2_bpe(directory: str, spec: str):
     else:
         raise ConfigError(f"data.tokenizer={spec!r}: {directory!r} holds neither vocab.json + merges.txt nor "
                          f"encoder.json + vocab.bpe; give the directory of GPT-2's tokenizer files")
-    tok = Tokenizer(models.BPE.from_file(str(d / vocab), str(d / merges)))
+    tok = Tokenizer(_read(spec, d / vocab, f"GPT-2's {vocab} + {merges}",
+                          lambda: models.BPE.from_file(str(d / vocab), str(d / merges))))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return tok
+
+
+def _read(spec: str, path, what: str, load):
+    """load(), with a damaged or truncated file as one ConfigError naming it."""
+    try:
+        return load()
+    except Exception as e:  # tokenizers and sentencepiece raise plain Exception / RuntimeError for bad files
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise ConfigError(f"data.tokenizer={spec!r}: {path} is not a valid {what} ({reason}); the file is damaged or "
+                          f"of another kind") from None
 
 
 def train_bpe(docs: Iterable[str], vocab_size: int):
@@ -142,7 +166,7 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
 
         if not Path(arg).is_file():
             raise ConfigError(f"data.tokenizer={spec!r}: no such file {arg!r}; give the path of a tokenizer.json")
-        return HFTokenizer(Tokenizer.from_file(arg), spec)
+        return HFTokenizer(_read(spec, arg, "tokenizer.json", lambda: Tokenizer.from_file(arg)), spec)
     if kind == "gpt2" and arg:
         return HFTokenizer(_gpt2_bpe(arg, spec), spec)
     if kind == "sentencepiece" and arg:
@@ -163,7 +187,8 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
 
         path = cache_dir / f"tokenizer-bpe{n}-{corpus_sha[:16]}.json"
         if path.is_file():
-            return HFTokenizer(Tokenizer.from_file(str(path)), spec)
+            return HFTokenizer(_read(spec, path, "cached tokenizer (delete it to train again)",
+                                     lambda: Tokenizer.from_file(str(path))), spec)
         tok = train_bpe(train_docs, n)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
