@@ -68,7 +68,15 @@ def read_run_state(path: Path) -> dict:
                               f"checkpoint") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{f} is damaged (not a JSON object); delete it to resume without the W&B run id")
+    for key, kind in RUN_STATE_TYPES.items():
+        v = state.get(key)
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) or kind is int and v < 1):
+            raise CheckpointError(f"{f} is damaged ({key} is {v!r}, not a {'positive int' if kind is int else 'string'}); "
+                                  f"delete it to resume without the W&B run id, or use another checkpoint")
     return state
+
+
+RUN_STATE_TYPES = {"wandb_id": str, "tokenizer_fingerprint": str, "cpu_threads": int}  # each may also be null
 
 
 def check_model_config(path: Path, cfg) -> None:
