@@ -42,8 +42,11 @@ def read_rows(run_dir: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-            print(f"warning: {path}:{n} is not a metrics row (torn or damaged line); skipped", file=sys.stderr)
+        numbers = [row.get(k) for k, _ in PANELS + [("consumed_tokens", "")]] if isinstance(row, dict) else []
+        if not isinstance(row, dict) or type(row.get("step")) is not int or not all(
+                v is None or type(v) in (int, float) for v in numbers):
+            print(f"warning: {path}:{n} is not a metrics row (torn or damaged line: a step or value that is not a "
+                  f"number); skipped", file=sys.stderr)
             continue
         rows.append(row)
     if not rows:

@@ -489,6 +489,12 @@ def test_plot_metrics_skips_torn_lines_and_refuses_empty_files(tmp_path, capsys)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
     assert plot_metrics.read_rows(run) == rows
     assert "metrics.jsonl:3 is not a metrics row" in capsys.readouterr().err
+    damaged = [{"step": "3", "loss": 3.0}, {"step": True, "loss": 3.0}, {"step": 3, "loss": "3.0"},
+               {"step": 3, "loss": 3.0, "consumed_tokens": "96"}, {"step": 3, "lr": [1e-3]}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + damaged))
+    assert plot_metrics.read_rows(run) == rows
+    assert capsys.readouterr().err.count("is not a metrics row") == len(damaged)
+    assert plot_metrics.cli([str(run), "--out", str(tmp_path / "d.png")]) == 0  # a traceback before
     assert plot_metrics.cli([str(run), "--out", str(tmp_path / "p.png")]) == 0 and (tmp_path / "p.png").is_file()
     (run / "metrics.jsonl").write_text("")
     assert plot_metrics.cli([str(run), "--out", str(tmp_path / "q.png")]) == 2
