@@ -3,6 +3,7 @@ any model is built or any data prepared. The trainer, launch/plan.py, launch/ben
 `resolve`; nothing writes the config afterwards (its dataclasses are frozen).
 
 The order (docs/training.md walks it):
+ 0. the same config on every rank (compared at once: a rank started with other arguments stops every rank)
  1. run name and dir: run.name (the --config file's name, else the model's), run.dir = runs/<name>
  2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size;
     the sample count (train.steps x global batch) whose index the data layer must hold in memory
@@ -70,6 +71,31 @@ def _min_over_ranks(value: int, device: torch.device) -> int:
     t = torch.tensor(value, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)  # every rank must make the same choices
     return int(t)
+
+
+def _same_config_on_every_rank(cfg: Config) -> None:
+    """Every rank was started with rank 0's config; else every rank raises the same line, naming the first
+    field that differs (ranks started by hand or by a script that passes them different arguments or files)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    from hybridpar.config.cli import all_keys, to_dict
+
+    tree = to_dict(cfg)
+    mine = {}
+    for key in all_keys():
+        node = tree
+        for part in key.split("."):
+            node = node[part]
+        mine[key] = node
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
+    if differ:
+        r = differ[0]
+        key = next(k for k in everyone[0] if everyone[0][k] != everyone[r][k])
+        raise ConfigError(f"rank(s) {', '.join(map(str, differ))} started with another config than rank 0 ({key}: "
+                          f"{everyone[0][key]!r} on rank 0, {everyone[r][key]!r} on rank {r}); start every rank with "
+                          f"the same command and config file")
 
 
 def _lock(run_dir: Path, rank: int) -> RunDirLock | None:
@@ -165,6 +191,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     one already loaded, instead of data.tokenizer's. gpu: plan for this GPU type instead of the device (its
     usable memory, world.local_world_size GPUs per node, no refusal: launch/plan.py reports the fit). Collectives
     run only when a process group with several ranks exists."""
+    _same_config_on_every_rank(cfg)  # 0
     run_dir = Path(cfg.run.dir) if cfg.run.dir else Path("runs") / (cfg.run.name or cfg.model.name)  # 1
     cfg = replace(cfg, run=replace(cfg.run, name=cfg.run.name or cfg.model.name, dir=str(run_dir)))
     node = world.local_world_size if gpu is not None else gpus_per_node(device, world)

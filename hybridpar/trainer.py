@@ -30,6 +30,7 @@ from hybridpar.data.dataset import build_training_data
 from hybridpar.planning.flops import flops_per_token, peak_tflops
 from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, pick_device, set_numerics, start_process_group,
                                             world_from_env)
+from hybridpar.errors import ConfigError
 from hybridpar.resolve import Run, resolve
 from hybridpar.training.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary
@@ -72,7 +73,11 @@ def start_trainer(cfg: Config, own_run_dir: bool = False, hooks: list[Hook] = ()
     world = world_from_env()
     device = pick_device(cfg.train.device, world.local_rank)
     start_process_group(cfg.parallel, device, world)
-    run = resolve(cfg, world, device, own_run_dir=own_run_dir)
+    try:
+        run = resolve(cfg, world, device, own_run_dir=own_run_dir)
+    except ConfigError as e:
+        e.on_every_rank = True  # resolve compares the ranks' configs first: every rank raised this one
+        raise
     try:
         return Trainer(run, init_mesh(run.layout.degrees, device), hooks, init_weights=run.load_from is None)
     except BaseException:

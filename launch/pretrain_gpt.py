@@ -20,7 +20,7 @@ from hybridpar.checkpoint.dcp import CheckpointHook, Checkpointer
 from hybridpar.config import Config
 from hybridpar.config.cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.errors import UserError
-from hybridpar.parallel.distributed import shutdown
+from hybridpar.parallel.distributed import shutdown, world_from_env
 from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult, start_trainer
 from hybridpar.training.microbatch import StopMidStep
 
@@ -169,7 +169,8 @@ def cli(argv: list[str]) -> int:
         print(str(e), file=sys.stderr)
         return e.exit_code
     except UserError as e:  # user-caused: one line; anything else is an internal error and keeps its traceback
-        print(f"error: {e}", file=sys.stderr)
+        if not (getattr(e, "on_every_rank", False) and world_from_env().rank != 0):  # said once, by rank 0
+            print(f"error: {e}", file=sys.stderr)
         return 2
     return EXIT_PREEMPTED if result.preempted else 0
 

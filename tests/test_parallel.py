@@ -313,3 +313,41 @@ def test_every_layout_accumulation_mode_and_adamw_kernel_gives_the_single_proces
             assert same_names and skipped == 0
             assert kernels == {{"for-loop": 0, "foreach": 2, "fused": 1}[kernel]}, (layout, kernel, kernels)
             assert error <= 1e-5, (layout, unsharded, kernel, rank, error)
+
+
+@pytest.mark.multiprocess
+def test_ranks_with_different_configs_stop_with_one_line_before_writing(tmp_path, cache_dir):
+    """Two ranks started by hand (as a job script might), one with another seed: both stop at resolve's first step,
+    rank 0 says why in one line, rank 1 says nothing (the same error, already said), and no run dir is made. Then
+    an error every rank has (a batch the two ranks do not divide) is printed once, not once per rank."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT, user_env
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def start(rank, extra, port):
+        env = {**user_env(), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        return subprocess.Popen([sys.executable, "launch/pretrain_gpt.py", "--data.cache_dir", str(cache_dir),
+                                 "--run.dir", str(tmp_path / "run"), "--logging.wandb.mode", "disabled", *extra],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    for extras, message in [
+            ((["--train.seed", "1"], ["--train.seed", "2"]),
+             "error: rank(s) 1 started with another config than rank 0 (train.seed: 1 on rank 0, 2 on rank 1)"),
+            ((["--train.global_batch_size", "7"],) * 2,
+             "error: train.global_batch_size=7 is not divisible by the data-parallel size 2")]:
+        port = free_port()  # a fresh rendezvous each time
+        procs = [start(rank, extra, port) for rank, extra in enumerate(extras)]
+        (out0, err0), (out1, err1) = (p.communicate(timeout=300) for p in procs)
+        assert [p.returncode for p in procs] == [2, 2], (err0, err1)
+        assert err0.strip().splitlines() == [err0.strip()] and err0.startswith(message), err0
+        assert err1.strip() == "", err1
+        assert not (tmp_path / "run").exists()
