@@ -21,6 +21,7 @@ returns a ready model. transformers is needed for to-hf/from-hf only (pip instal
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -57,6 +58,15 @@ def _write_weights_checkpoint(out: Path, sd: dict, cfg, source: str) -> None:
     (out / MARKER).write_text(f"{source}\n")
 
 
+def _publish(partial: Path, out: Path) -> None:
+    """Put the finished `partial` directory at `out`, replacing what --overwrite allowed to be there."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    partial.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise CheckpointError(f"--out {out} is not empty; pass --overwrite or another directory")
@@ -76,7 +86,6 @@ def to_hf_cmd(a) -> str:
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt).model
     family(cfg)  # fails before any heavy work for an architecture HF has no class for
-    _check_out(a.out, a.overwrite)
     hf_cfg, metas, sources = hf_export_plan(cfg, _our_metas(ckpt))
 
     def load_one(name):  # one of their tensors, from the one to three of ours it is made of
@@ -104,7 +113,6 @@ def from_hf_cmd(a) -> str:
 
     if not (a.hf / "config.json").is_file():
         raise CheckpointError(f"--hf {a.hf} has no config.json; give a transformers model folder")
-    _check_out(a.out, a.overwrite)
     tok = regular_file_of(a.hf, "tokenizer.json") if (a.hf / "tokenizer.json").exists() else None
     model_cfg, sd = from_hf(a.hf)
     cfg = Config(model=model_cfg, train=TrainConfig(seq_len=min(TrainConfig.seq_len, model_cfg.max_seq_len)))
@@ -120,7 +128,6 @@ def from_megatron_cmd(a) -> str:
     from hybridpar.interop.megatron import read_megatron, resolve_iteration_dir, run_settings
 
     iter_dir = resolve_iteration_dir(a.megatron, a.iteration)
-    _check_out(a.out, a.overwrite)
     model_cfg, sd, args, fmt = read_megatron(iter_dir)
     settings = run_settings(args)  # Megatron-LM's batch, schedule and optimizer settings, where hybridpar has them
     train = settings.setdefault("train", {})
@@ -140,7 +147,6 @@ def to_megatron_cmd(a) -> str:
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt)
-    _check_out(a.out, a.overwrite)
     iteration = a.iteration if a.iteration is not None else _step_or_zero(ckpt)
     state = to_megatron_state(cfg.model, load_full_model_state(ckpt))
     iter_dir = a.out / f"iter_{iteration:07d}"
@@ -168,7 +174,6 @@ def to_torch_cmd(a) -> str:
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt).model
-    _check_out(a.out, a.overwrite)
     # Only the files a checkpoint holds by name, each a regular file of it (never through a link out of it).
     extras = {name: regular_file_of(ckpt, name) for name in ("config.yaml", *TOKENIZER_FILES)
               if name == "config.yaml" or (ckpt / name).exists() or (ckpt / name).is_symlink()}
@@ -227,8 +232,16 @@ def cli(argv: list[str]) -> int:
         a = _parse(argv)
         if a is None:
             return 0
-        message = {"to-hf": to_hf_cmd, "from-hf": from_hf_cmd, "to-torch": to_torch_cmd,
-                   "from-megatron": from_megatron_cmd, "to-megatron": to_megatron_cmd}[a.cmd](a)
+        final = a.out
+        _check_out(final, a.overwrite)
+        a.out = final.with_name(f".{final.name}.partial-{os.getpid()}")  # published whole, or not at all
+        try:
+            message = {"to-hf": to_hf_cmd, "from-hf": from_hf_cmd, "to-torch": to_torch_cmd,
+                       "from-megatron": from_megatron_cmd, "to-megatron": to_megatron_cmd}[a.cmd](a)
+            _publish(a.out, final)
+        finally:
+            shutil.rmtree(a.out, ignore_errors=True)
+        message = message.replace(str(a.out), str(final))
     except ImportError as e:
         print(f"error: {e.name or e} is needed for {a.cmd}: pip install -e \".[hf]\"", file=sys.stderr)
         return 2

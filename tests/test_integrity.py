@@ -193,6 +193,55 @@ def test_shard_paths_and_lengths_are_checked(trained, tmp_path):
         read_metadata(ckpt)
 
 
+
+def test_declared_sizes_the_shards_do_not_back_and_damaged_shards(trained, tmp_path):
+    """A .metadata whose tensor sizes or chunks lie (a loader would allocate the declared size whole: 10^12 rows
+    tried to take terabytes), and a shard of the right length with garbage inside: one line from every reader,
+    and no output left behind by the converter (nor its partial directory)."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    import convert_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_dir(trained, 4), ckpt)
+    original = (ckpt / ".metadata").read_bytes()
+    key = "model.norm.weight"
+
+    def lie(change):
+        md = pickle.loads(original)
+        change(md.state_dict_metadata[key], md)
+        (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+
+    def grow(entry, md):
+        entry.size = torch.Size([10 ** 12])
+
+    def move_chunk(entry, md):
+        entry.chunks[0].offsets = torch.Size([5])
+
+    def short_storage(entry, md):
+        index = next(i for i in md.storage_data if i.fqn == key)
+        info = md.storage_data[index]
+        md.storage_data[index] = type(info)(info.relative_path, info.offset, 100)
+
+    for change, message in [(grow, r"declares 'model.norm.weight' of size \(1000000000000,\) .* but its chunks hold"),
+                            (move_chunk, r"gives 'model.norm.weight' a chunk of .* at \(5,\), outside its size"),
+                            (short_storage, r"declares 'model.norm.weight''s chunk at \(0,\) as .* its stored data is "
+                                            r"100 bytes")]:
+        lie(change)
+        with pytest.raises(CheckpointError, match=message):
+            read_metadata(ckpt)
+        assert convert_checkpoint.cli(["to-torch", "--checkpoint", str(ckpt), "--out", str(tmp_path / "o")]) == 2
+    (ckpt / ".metadata").write_bytes(original)
+    info = next(v for i, v in pickle.loads(original).storage_data.items() if i.fqn == key)
+    shard = ckpt / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset:info.offset + 64] = bytes(64)  # garbage of the right length: the chunk's zip header gone
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"a shard's data cannot be read \((not a tensor|a damaged) record\)"):
+        load_full_model_state(ckpt)
+    for cmd in ("to-torch", "to-hf", "to-megatron"):
+        assert convert_checkpoint.cli([cmd, "--checkpoint", str(ckpt), "--out", str(tmp_path / cmd)]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
 @pytest.mark.parametrize("how", ["resume-dotted", "load-byte-entry"])
 def test_poisoned_checkpoint_through_the_trainer(how, trained, tmp_path, cache_dir):
     run_dir = _copy_run(trained, tmp_path)
@@ -208,6 +257,8 @@ def test_poisoned_checkpoint_through_the_trainer(how, trained, tmp_path, cache_d
         assert not (tmp_path / "new").exists()
     line = _one_line_error(out)
     assert "refusing to load it" in line or "not plain data" in line
+    if how == "load-byte-entry":  # the file and the key named
+        assert f"checkpoint {checkpoint_dir(run_dir, 4)}: byte entry 'optim.param_groups.0.lr' is not plain" in line
     assert not marker.exists()
 
 

@@ -78,7 +78,7 @@ def _safe_load(state: dict, path: Path, planner, metadata=None, no_dist: bool = 
         inner = unwrap_checkpoint_exception(e)
         if inner is e:
             raise
-        raise inner from None
+        raise (inner if str(path) in str(inner) else CheckpointError(f"checkpoint {path}: {inner}")) from None
 
 
 def step_of(path: Path) -> int:

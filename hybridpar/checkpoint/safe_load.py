@@ -9,7 +9,8 @@ values such as the optimizer's `param_groups`, byte entries inside the `.distcp`
   the one function DCP pickles, torch's layout lookup, is replaced by a local table.
 - the decoded metadata is then checked: only DCP's storage records, byte entries only under `optim.param_groups`,
   shard files named `__<rank>_<n>.distcp` inside the checkpoint (no paths), no storage transforms, every shard
-  present and long enough for the ranges the index gives it.
+  present and long enough for the ranges the index gives it, every tensor's chunks inside its size, backed by
+  stored data and covering it (so no declared size is allocated that the files do not hold).
 - byte entries are unpickled with `torch.load(weights_only=True)`: torch's own allow-list (numbers, strings,
   containers, tensors). Tensor entries already are (DCP's reader).
 """
@@ -17,6 +18,7 @@ values such as the optimizer's `param_groups`, byte entries inside the `.distcp`
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 from pathlib import Path
@@ -94,6 +96,11 @@ def _check_metadata(path: Path, md, byte_entries_ok=_hybridpar_bytes) -> None:
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(f"{bad} declares {key!r} as {type(entry).__name__}; hybridpar stores that as a "
                                   f"tensor: refusing to load it")
+    stored = {(getattr(i, "fqn", None), tuple(getattr(i, "offset", ()) or ())): info
+              for i, info in md.storage_data.items()}
+    for key, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_chunks(bad, key, entry, stored)
     needed: dict[str, int] = {}
     for index, info in md.storage_data.items():
         name = getattr(info, "relative_path", None)
@@ -117,6 +124,27 @@ def _check_metadata(path: Path, md, byte_entries_ok=_hybridpar_bytes) -> None:
                                   f"{end}); use an earlier checkpoint of the run")
 
 
+def _check_chunks(bad: str, key: str, entry, stored: dict) -> None:
+    """A tensor's chunks lie inside its size, each has stored data at least as long as its elements, and together
+    they hold every element: a size the data does not back (a loader would allocate it whole) is refused."""
+    size, item = tuple(entry.size), entry.properties.dtype.itemsize
+    held = 0
+    for c in entry.chunks:
+        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o < 0 or n < 0 or o + n > whole for o, n, whole in zip(offsets, sizes, size)):
+            raise CheckpointError(f"{bad} gives {key!r} a chunk of {sizes} at {offsets}, outside its size {size}: "
+                                  f"refusing to load it")
+        info, need = stored.get((key, offsets)), math.prod(sizes) * item
+        if info is None or not isinstance(info.length, int) or info.length < need:
+            raise CheckpointError(f"{bad} declares {key!r}'s chunk at {offsets} as {need:,} bytes, but its stored "
+                                  f"data is {getattr(info, 'length', 0)!r} bytes: refusing to load it")
+        held += math.prod(sizes)
+    if held < math.prod(size):
+        raise CheckpointError(f"{bad} declares {key!r} of size {size} ({math.prod(size):,} elements), but its chunks "
+                              f"hold {held:,}: refusing to load it")
+
+
 class SafeReader(dcp.FileSystemReader):
     """DCP's file reader with the metadata read and checked by read_metadata() instead of pickle.load (or taken as
     already read and checked, so a load unpickles it once)."""
@@ -124,6 +152,16 @@ class SafeReader(dcp.FileSystemReader):
     def __init__(self, path, metadata: Metadata | None = None):
         super().__init__(path)
         self._checked = metadata
+
+    def read_data(self, plan, planner):
+        try:
+            return super().read_data(plan, planner)
+        except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # torch.load of a damaged chunk
+            if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
+                raise
+            why = "not a tensor record" if isinstance(e, pickle.UnpicklingError) else "a damaged record"
+            raise CheckpointError(f"checkpoint {self.path}: a shard's data cannot be read ({why}); the file is "
+                                  f"damaged: use an earlier checkpoint of the run") from None
 
     def read_metadata(self, *args, **kwargs):
         if kwargs.get("rank") is not None:
@@ -190,20 +228,19 @@ def load_plain_torch_file(path: Path):
         raise CheckpointError(f"{path} cannot be loaded as plain data ({first})") from None
 
 
-def _load_bytes_safely(value: io.BytesIO):
+def _load_bytes_safely(value: io.BytesIO, key: str):
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[-1] if str(e).strip() else "not plain data"
-        raise CheckpointError(f"a byte entry of the checkpoint is not plain data ({first}); refusing to load "
-                              f"it") from None
+        raise CheckpointError(f"byte entry {key!r} is not plain data ({first}); refusing to load it") from None
 
 
 class _SafeBytes:
     """Byte entries unpickled with torch's weights-only allow-list, stored where DCP's planner would store them."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = _load_bytes_safely(value)
+        obj = _load_bytes_safely(value, read_item.dest_index.fqn)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
