@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import os
 import pickle
 import shutil
@@ -241,6 +242,28 @@ def test_declared_sizes_the_shards_do_not_back_and_damaged_shards(trained, tmp_p
     for cmd in ("to-torch", "to-hf", "to-megatron"):
         assert convert_checkpoint.cli([cmd, "--checkpoint", str(ckpt), "--out", str(tmp_path / cmd)]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_links_out_of_a_checkpoint_are_refused(trained, tmp_path):
+    """A shard or .metadata that is a link leaving the checkpoint (to a copy elsewhere: the bytes are valid, the
+    place is not), and a step directory that is a link, which is no save of the run."""
+    from hybridpar.checkpoint.dcp import latest_checkpoint
+
+    ckpt, outside = tmp_path / "ckpt", tmp_path / "elsewhere"
+    shutil.copytree(checkpoint_dir(trained, 4), ckpt)
+    shutil.copytree(ckpt, outside)
+    for name in (".metadata", "__0_0.distcp"):
+        (ckpt / name).unlink()
+        (ckpt / name).symlink_to(outside / name)
+        with pytest.raises(CheckpointError, match=f"{re.escape(name)} is a link out of the checkpoint"):
+            read_metadata(ckpt)
+        (ckpt / name).unlink()
+        shutil.copyfile(outside / name, ckpt / name)
+    assert read_metadata(ckpt) is not None
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000009").symlink_to(ckpt, target_is_directory=True)
+    assert latest_checkpoint(run) is None
 
 @pytest.mark.parametrize("how", ["resume-dotted", "load-byte-entry"])
 def test_poisoned_checkpoint_through_the_trainer(how, trained, tmp_path, cache_dir):

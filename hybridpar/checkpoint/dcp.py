@@ -99,7 +99,8 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and is_complete(p)]
+    done = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+            and is_complete(p)]  # a link is not a save of this run (it may lead anywhere)
     return sorted(done, key=step_of)
 
 

@@ -74,6 +74,7 @@ def read_metadata(path: Path, byte_entries_ok=_hybridpar_bytes) -> Metadata:
     if not meta_file.is_file():
         raise CheckpointError(f"checkpoint {path} has no .metadata file (deleted or never written): it cannot be "
                               f"loaded; use an earlier checkpoint of the run")
+    _inside(path, meta_file)
     try:
         with open(meta_file, "rb") as f:
             metadata = MetadataUnpickler(f).load()
@@ -115,6 +116,7 @@ def _check_metadata(path: Path, md, byte_entries_ok=_hybridpar_bytes) -> None:
         needed[name] = max(needed.get(name, 0), info.offset + info.length)
     for name, end in sorted(needed.items()):
         shard = path / name
+        _inside(path, shard)
         if not shard.is_file():
             raise CheckpointError(f"checkpoint {path} is missing its shard {name} (deleted or never written): it "
                                   f"cannot be loaded; use an earlier checkpoint of the run")
@@ -122,6 +124,13 @@ def _check_metadata(path: Path, md, byte_entries_ok=_hybridpar_bytes) -> None:
         if size < end:
             raise CheckpointError(f"checkpoint {path}: shard {name} is truncated ({size} bytes, its index needs "
                                   f"{end}); use an earlier checkpoint of the run")
+
+
+def _inside(path: Path, f: Path) -> None:
+    """A checkpoint's file is read only where it is: a link out of the checkpoint directory is refused."""
+    if f.is_symlink() and not f.resolve().is_relative_to(path.resolve()):
+        raise CheckpointError(f"checkpoint {path}: {f.name} is a link out of the checkpoint (to {f.resolve()}): "
+                              f"refusing to read it; copy the file in instead")
 
 
 def _check_chunks(bad: str, key: str, entry, stored: dict) -> None:
