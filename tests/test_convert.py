@@ -152,3 +152,26 @@ def test_from_hf_checks_config_json_against_the_weights(tmp_path):
                        str(tmp_path / "back")])
         assert out.returncode == 2 and message in out.stderr and "disagree" in out.stderr, (change, out.stderr)
         assert "Traceback" not in out.stderr and not (tmp_path / "back").exists()
+
+
+def test_from_hf_refuses_integer_and_non_finite_weights(tmp_path):
+    """Weights of an integer dtype, or holding a NaN or an inf, were taken as given (a checkpoint at exit 0)."""
+    from safetensors.torch import load_file, save_file
+
+    _, ckpt = _checkpoint(tmp_path, "gpt2")
+    assert run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out",
+                    str(tmp_path / "hf")]).returncode == 0
+    weights = tmp_path / "hf" / "model.safetensors"
+    good = load_file(str(weights))
+    name = "transformer.h.0.mlp.c_fc.weight"
+    nan = good[name].clone()
+    nan[3, 5] = float("nan")
+    inf = good[name].clone()
+    inf[0, 0] = float("-inf")
+    for bad, message in [(good[name].to(torch.int64), f"{name} holds int64 values, not weights"),
+                         (nan, f"{name} holds NaN or infinite values"), (inf, f"{name} holds NaN or infinite")]:
+        save_file({**good, name: bad}, str(weights))
+        out = run_cli(["launch/convert_checkpoint.py", "from-hf", "--hf", str(tmp_path / "hf"), "--out",
+                       str(tmp_path / "back")])
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert not (tmp_path / "back").exists()

@@ -214,6 +214,15 @@ def _from_hf(c: dict, hf: dict, hf_dir: Path) -> tuple[ModelConfig, dict[str, to
         if c.get("head_dim") not in (None, cfg.head_dim):
             raise CheckpointError(f"{hf_dir}: head_dim {c['head_dim']} != hidden_size / heads = {cfg.head_dim}; "
                                   f"hybridpar's GPT needs d_model = n_heads x head_dim")
+    for name, t in hf.items():
+        if name.endswith(UNUSED_HF_BUFFERS):
+            continue
+        if not t.is_floating_point():
+            raise CheckpointError(f"{hf_dir}: {name} holds {str(t.dtype).removeprefix('torch.')} values, not weights "
+                                  f"(a float dtype); the file is damaged or not a model's weights")
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{hf_dir}: {name} holds NaN or infinite values; a model trained from them "
+                                  f"learns nothing: use another save")
     sd, used = {}, set()
     for ours, theirs, (_, back) in _rules(fam, cfg):
         try:
