@@ -29,7 +29,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal, Optional
 
-from hybridpar.checkpoint.dcp import MARKER, CheckpointError, load_full_model_state, resolve_load_path
+from hybridpar.checkpoint.dcp import (MARKER, CheckpointError, check_config_matches_tensors, load_full_model_state,
+                                      resolve_load_path)
 from hybridpar.config.cli import parse_command
 from hybridpar.errors import ConfigError, UserError
 from hybridpar.models.config import doc, doc_required
@@ -43,7 +44,9 @@ def _config(ckpt: Path):
     saved = read_checkpoint_config(ckpt)
     if saved is None:
         raise CheckpointError(f"{ckpt} has no config.yaml; it was not written by hybridpar's trainer")
-    return config_from_dict(saved)
+    cfg = config_from_dict(saved)
+    check_config_matches_tensors(ckpt, cfg.model)
+    return cfg
 
 
 def _write_weights_checkpoint(out: Path, sd: dict, cfg, source: str) -> None:

@@ -175,3 +175,29 @@ def test_from_hf_refuses_integer_and_non_finite_weights(tmp_path):
                        str(tmp_path / "back")])
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert not (tmp_path / "back").exists()
+
+
+def test_exports_check_config_yaml_against_the_tensors(tmp_path, capsys):
+    """An edited config.yaml (more or fewer blocks, another width) no longer describes the saved tensors: every
+    export refuses in one line (to-hf wrote a folder transformers refuses, or dropped the extra blocks). The
+    converter's own entry point, in this process."""
+    import sys
+
+    import yaml
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "launch"))
+    import convert_checkpoint
+
+    _, ckpt = _checkpoint(tmp_path, "gpt2")
+    good = yaml.safe_load((ckpt / "config.yaml").read_text())
+    for change, message in [({"n_layers": 1}, "holds layers.1.attn.wk.bias (and 15 more tensors) that its config"),
+                            ({"n_layers": 3}, "model.layers.2.attn_norm.weight is missing"),
+                            ({"d_model": 128}, "model.tok_embeddings.weight has shape [384, 64], this run's is")]:
+        (ckpt / "config.yaml").write_text(yaml.safe_dump({**good, "model": {**good["model"], **change}}))
+        for cmd in ("to-hf", "to-torch", "to-megatron"):
+            assert convert_checkpoint.cli([cmd, "--checkpoint", str(ckpt), "--out", str(tmp_path / cmd)]) == 2
+            err = capsys.readouterr().err
+            assert message in err and err.count("\n") == 1, err
+            assert not (tmp_path / cmd).exists()

@@ -316,6 +316,21 @@ def _check_shapes(path: Path, saved: dict, model_state: dict) -> None:
                                   f"{list(t.shape)}; load it with the model config it was saved with")
 
 
+def check_config_matches_tensors(path: Path, model_cfg) -> None:
+    """The model a checkpoint's config.yaml describes is the model its tensors hold, name for name and shape for
+    shape (an export trusting an edited config.yaml wrote a folder transformers refuses, or dropped blocks)."""
+    from hybridpar.models import build_model
+
+    want = build_model(model_cfg, "meta", init=False).state_dict()
+    saved = read_metadata(path).state_dict_metadata
+    _check_shapes(path, saved, want)
+    extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in want)
+    if extra:
+        raise CheckpointError(f"checkpoint {path} holds {extra[0]} (and {len(extra) - 1} more tensors) that its "
+                              f"config.yaml's model lacks: the config and the tensors disagree; restore the run's "
+                              f"config.yaml")
+
+
 def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The model weights of checkpoint `path` (or only those in `names`) as full plain tensors, read in this one
     process (no process group)."""
