@@ -27,10 +27,10 @@ CONFIGS = {
 }
 
 
-def _checkpoint(tmp_path, family):
+def _checkpoint(tmp_path, family, **overrides):
     """A hybridpar checkpoint directory (DCP + config.yaml + marker) of a randomly initialised model."""
     torch.manual_seed(0)
-    name, fields = CONFIGS[family]["name"], {k: v for k, v in CONFIGS[family].items() if k != "name"}
+    name, fields = CONFIGS[family]["name"], {k: v for k, v in {**CONFIGS[family], **overrides}.items() if k != "name"}
     model_cfg = get_model_config(name, **fields)
     model = build_model(model_cfg, device="cpu")
     with torch.no_grad():  # make every tensor matter (norm gains and biases are 1 and 0 at init)
@@ -101,9 +101,7 @@ def test_to_torch_and_load_pretrained(tmp_path):
 
 
 def test_conversion_errors(tmp_path):
-    _, ckpt = _checkpoint(tmp_path, "gpt2")
-    cfg_text = (ckpt / "config.yaml").read_text().replace("position: learned", "position: rope")
-    (ckpt / "config.yaml").write_text(cfg_text)
+    _, ckpt = _checkpoint(tmp_path, "gpt2", position="rope")  # GPT-2 blocks with RoPE: no transformers class
     out = run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "x")])
     assert out.returncode == 2 and "matches neither GPT2LMHeadModel nor LlamaForCausalLM" in out.stderr
     assert not (tmp_path / "x").exists()

@@ -326,9 +326,9 @@ def check_config_matches_tensors(path: Path, model_cfg) -> None:
     _check_shapes(path, saved, want)
     extra = sorted(k[len("model."):] for k in saved if k.startswith("model.") and k[len("model."):] not in want)
     if extra:
-        raise CheckpointError(f"checkpoint {path} holds {extra[0]} (and {len(extra) - 1} more tensors) that its "
-                              f"config.yaml's model lacks: the config and the tensors disagree; restore the run's "
-                              f"config.yaml")
+        more = f" (and {len(extra) - 1} more tensors)" if len(extra) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} holds {extra[0]}{more} that its config.yaml's model lacks: the "
+                              f"config and the tensors disagree; restore the run's config.yaml")
 
 
 def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
