@@ -257,25 +257,39 @@ class Trainer:
         return torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext()
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean token loss over the fixed validation batches, all data-parallel ranks together."""
+    def evaluate(self) -> float | None:
+        """Mean token loss over the fixed validation batches, all data-parallel ranks together; None when a stop
+        request (a signal on any rank) cut it short."""
         with self._eager():
             return self._evaluate()
 
-    def _evaluate(self) -> float:
+    def _stop_voted_now(self) -> bool:
+        """Whether any rank has been asked to stop, agreed by all (one all-reduce of one number)."""
+        flag = torch.full((), float(self.stop_requested), device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.stop_voted = self.stop_voted or bool(flag)
+        return self.stop_voted
+
+    def _evaluate(self) -> float | None:
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
         for x, y in self.data.valid:
+            if self._stop_voted_now():  # a signal stops a long validation between batches, every rank at the same one
+                break
             with self.loss_context(), self.autocast():
                 loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))
             total[0] += loss.to_local() if hasattr(loss, "to_local") else loss
             total[1] += (y != IGNORE_INDEX).sum()
         self.model.train()
         total = self._dp_sum(total)
-        return float(total[0] / total[1])
+        return None if self.stop_voted else float(total[0] / total[1])
 
     def _validate(self, result: TrainResult) -> None:
         val = self.evaluate()
+        if val is None:
+            self.log.print(f"validation at step {self.step} stopped by a stop request; not logged")
+            return
         self.log.log({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
 
     # -- the loop ---------------------------------------------------------------------------------------------
@@ -335,6 +349,7 @@ class Trainer:
             if t.eval_interval and (self.step % t.eval_interval == 0 or done):
                 self._validate(result)
                 last_time = time.perf_counter()  # validation time is not training throughput
+                stop = stop or self.stop_voted  # a signal during validation
             for hook in self.hooks:
                 hook.on_step_end(self, self.step)
             if stop:
