@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from hybridpar.config import Config, ProfileConfig
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, RunDirError
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -104,8 +104,18 @@ class MetricsLogger:
         """Record one row: {"step": int, ...}. Training rows (with "loss") also print a console line."""
         if not self.enabled:
             return
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+        except OSError as e:  # a full disk (or quota): one line; the checkpoints already complete are intact
+            f, self.file = self.file, None
+            try:
+                f.close()  # closed even when its last flush fails: no second error at exit
+            except OSError:
+                pass
+            raise RunDirError(f"{f.name}: {e.strerror.lower()} while writing the metrics of step {row['step']}; free "
+                              f"space there, then start the same command again (it resumes from the latest "
+                              f"complete checkpoint)") from None
         series = {k: v for k, v in row.items() if k != "step" and k not in RECORD_ONLY}
         if self.wandb_run is not None:
             self.wandb_run.log(series, step=row["step"])

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, user_env
 from hybridpar.checkpoint.dcp import checkpoint_dir, latest_checkpoint, load_full_model_state
 from hybridpar.errors import CheckpointError, DataError, RunDirError
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config
@@ -404,6 +404,51 @@ def test_run_dir_that_is_a_file_is_one_line(tmp_path, cache_dir):
     line = _one_line_error(run_cli(_args(cache_dir, f, 2)))
     assert "is a file, not a directory" in line and f.read_text() == "keep me\n"
 
+
+
+_IN_OWN_MOUNT = """
+set -u
+mount -t tmpfs -o size=4m tmpfs "$MNT" || exit 90
+if [ "$MODE" = readonly ]; then mount -o remount,ro "$MNT" || exit 91; fi
+cd "$ROOT"
+timeout 300 "$PY" "$@" > "$OUT/stdout" 2> "$OUT/stderr" &
+pid=$!
+if [ "$MODE" = fill ]; then  # once step 3 is logged, fill the file system the run writes its metrics to
+    for i in $(seq 1 3000); do grep -q '"step": 3,' "$MNT/run/metrics.jsonl" 2>/dev/null && break; sleep 0.1; done
+    ls "$MNT/run" > "$OUT/before"
+    head -c 8M /dev/zero > "$MNT/filler" 2>/dev/null
+fi
+wait $pid
+echo $? > "$OUT/rc"
+cp "$MNT/run/metrics.jsonl" "$OUT/metrics.jsonl" 2>/dev/null
+ls -a "$MNT/run" > "$OUT/after" 2>/dev/null
+exit 0
+"""
+
+
+@pytest.mark.parametrize("mode", ["readonly", "fill"])
+def test_read_only_and_full_file_systems_are_one_line(mode, tmp_path, cache_dir):
+    """The run dir on a real file system of its own (a 4 MiB tmpfs in a private mount namespace): read-only from the
+    start (a traceback from mkdir before), or filled up while the run writes its metrics (a traceback from the
+    metrics file). Each gives one line and exit 2; the full one keeps the rows written and leaves no lock."""
+    mnt, out = tmp_path / "mnt", tmp_path / "out"
+    mnt.mkdir()
+    out.mkdir()
+    argv = _args(cache_dir, mnt / "run", 400, "--train.seq_len", "32", "--logging.interval", "1",
+                 "--checkpoint.interval", "0", "--model.n_layers", "1")
+    env = {**user_env(), "MNT": str(mnt), "MODE": mode, "ROOT": str(ROOT), "PY": sys.executable, "OUT": str(out)}
+    done = subprocess.run(["unshare", "-m", "bash", "-c", _IN_OWN_MOUNT, "script", *argv], env=env, timeout=400,
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and (out / "rc").read_text().strip() == "2", (done.stderr, (out / "stderr").read_text())
+    lines = (out / "stderr").read_text().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    if mode == "readonly":
+        assert f"run.dir='{mnt / 'run'}' cannot be created (read-only file system)" in lines[0]
+    else:
+        assert f"{mnt / 'run' / 'metrics.jsonl'}: no space left on device while writing the metrics of step" in lines[0]
+        rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()[:-1]]  # the last may be torn
+        assert [r["step"] for r in rows if "loss" in r][:3] == [1, 2, 3]
+        assert LOCK not in (out / "after").read_text().split()
 
 # -- 3. a resume cannot silently change what the data position means --------------------------------------------
 def test_resume_with_other_data_settings_is_refused_then_allowed(trained, tmp_path, cache_dir):

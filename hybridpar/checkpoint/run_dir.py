@@ -96,8 +96,8 @@ class RunDirLock:
         except (FileExistsError, NotADirectoryError):
             raise RunDirError(f"run.dir={str(self.run_dir)!r}: a parent of it is a file; pass another --run.dir") \
                 from None
-        except PermissionError:
-            raise RunDirError(f"run.dir={str(self.run_dir)!r} cannot be created (permission denied); pass a "
+        except OSError as e:  # permission denied, a read-only or a full file system
+            raise RunDirError(f"run.dir={str(self.run_dir)!r} cannot be created ({e.strerror.lower()}); pass a "
                               f"writable --run.dir") from None
         self._created = list(reversed(missing))
         self._content = json.dumps(_owner()) + "\n"
@@ -107,6 +107,10 @@ class RunDirLock:
             except FileExistsError:
                 self._take_over_if_stale(log)
                 continue
+            except OSError as e:  # a read-only or full file system
+                self.release()
+                raise RunDirError(f"run.dir={str(self.run_dir)!r}: its lock cannot be created ({e.strerror.lower()}); "
+                                  f"pass a writable --run.dir") from None
             try:
                 with os.fdopen(fd, "w") as f:
                     f.write(self._content)
