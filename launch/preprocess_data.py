@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridpar.data.indexed import DataError, bin_path, idx_path
-from hybridpar.data.preprocess import InputStats, iter_documents, preprocess
+from hybridpar.data.preprocess import MAX_DOCUMENT_MB, InputStats, iter_documents, preprocess
 from hybridpar.data.tokenizer import load_tokenizer
 from hybridpar.errors import UserError
 
@@ -38,6 +38,8 @@ def cli(argv: list[str]) -> int:
         overwrite: bool = doc(False, "replace an existing PREFIX.bin/.idx")
         strict: bool = doc(False, "refuse a JSON record whose text is null or not a string (otherwise skipped and "
                                   "counted)")
+        max_document_mb: float = doc(MAX_DOCUMENT_MB, "refuse a document larger than this (tokenizing one takes tens "
+                                                      "of times its size in memory; split such inputs)")
 
     try:
         parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/preprocess_data.py")
@@ -57,7 +59,10 @@ def cli(argv: list[str]) -> int:
             if not Path(path).is_file():
                 raise DataError(f"--input {path}: no such file")
         stats = InputStats()
-        docs = iter_documents(a.input, a.json_key, a.blank_line_docs, strict=a.strict, stats=stats)
+        if not a.max_document_mb > 0:
+            raise DataError(f"--max-document-mb {a.max_document_mb}: give a size in MB > 0")
+        docs = iter_documents(a.input, a.json_key, a.blank_line_docs, strict=a.strict, stats=stats,
+                              max_mb=a.max_document_mb)
         summary = preprocess(docs, a.tokenizer, a.output_prefix, workers=a.workers, append_eod=a.append_eod,
                              progress=True, tokenizer=tokenizer)
     except UserError as e:

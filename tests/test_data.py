@@ -240,6 +240,22 @@ def test_a_damaged_tokenizer_stops_training_and_preprocessing_with_one_line(tmp_
         assert "tok.json is not a valid tokenizer.json (EOF while parsing" in out.stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == ["tok.json"]
 
+
+def test_a_document_past_the_size_limit_is_refused_before_tokenizing(tmp_path):
+    """A 2.5 MB JSON line and a 2.5 MB blank-line block against a 1 MB limit (100 MB lines under a memory limit
+    ended the process silently and left PREFIX.bin.tmp): one error naming the file and line, nothing written."""
+    from hybridpar.data.indexed import DataError
+    from hybridpar.data.preprocess import iter_documents, preprocess
+
+    big = "word " * 500_000
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a", "b", big, "c"]))
+    (tmp_path / "in.txt").write_text("small block\n\n" + (big + "\n") + "\nafter\n")
+    for name, line in [("in.jsonl", 3), ("in.txt", 3)]:
+        with pytest.raises(DataError, match=rf"{name}:{line}: a document of 2.5 MB, past --max-document-mb 1 "):
+            preprocess(iter_documents([tmp_path / name], blank_line_docs=True, max_mb=1), "bytes", tmp_path / "out")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "in.txt"]
+    assert len(list(iter_documents([tmp_path / "in.jsonl"], max_mb=3))) == 4  # under the limit: read
+
 @pytest.mark.multiprocess
 def test_preprocess_refuses_to_overwrite(tmp_path, jsonl):
     argv = ["launch/preprocess_data.py", "--input", str(jsonl), "--tokenizer", "bytes", "--output-prefix",

@@ -45,11 +45,22 @@ def _is_jsonl(path: Path) -> bool:
     return any(path.name.endswith(ext + c) for ext in (".jsonl", ".json") for c in ("", ".gz", ".zst"))
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, text) of every line; a byte sequence that is not UTF-8 names the file and the line."""
+MAX_DOCUMENT_MB = 64.0  # tokenizing a document takes tens of times its size in memory
+
+
+def _too_big(path: Path, n: int, size: int, max_mb: float) -> DataError:
+    return DataError(f"{path}:{n}: a document of {size / 1e6:,.1f} MB, past --max-document-mb {max_mb:g} (tokenizing "
+                     f"it takes tens of times its size in memory); split it, or raise the limit")
+
+
+def _lines(path: Path, max_mb: float = MAX_DOCUMENT_MB) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line; a byte sequence that is not UTF-8 or a line past max_mb names the file
+    and the line."""
     try:
         with _open_binary(path) as f:
             for n, raw in enumerate(f, 1):
+                if len(raw) > max_mb * 1e6:
+                    raise _too_big(path, n, len(raw), max_mb)
                 try:
                     yield n, raw.decode("utf-8")
                 except UnicodeDecodeError as e:
@@ -77,9 +88,11 @@ class InputStats:
 
 
 def iter_documents(paths: Iterable[Path], json_key: str = "text", blank_line_docs: bool = False,
-                   strict: bool = False, stats: InputStats | None = None) -> Iterator[str]:
+                   strict: bool = False, stats: InputStats | None = None,
+                   max_mb: float = MAX_DOCUMENT_MB) -> Iterator[str]:
     """Every document of the inputs, in order, read lazily. A JSON record whose text is null or not a string is
-    skipped and counted in `stats` (with strict: refused), never turned into text such as "None" or "123"."""
+    skipped and counted in `stats` (with strict: refused), never turned into text such as "None" or "123"; a
+    document past max_mb is refused before it is tokenized."""
     stats = stats if stats is not None else InputStats()
     for path in paths:
         path = Path(path)
@@ -87,7 +100,7 @@ def iter_documents(paths: Iterable[Path], json_key: str = "text", blank_line_doc
             raise DataError(f"--input {path}: no such file")
         before = stats.records
         if _is_jsonl(path):
-            for n, line in _lines(path):
+            for n, line in _lines(path, max_mb):
                 if not line.strip():
                     continue
                 try:
@@ -117,13 +130,17 @@ def iter_documents(paths: Iterable[Path], json_key: str = "text", blank_line_doc
                 yield text
         else:
             block: list[str] = []
-            for _, line in _lines(path):
+            size = 0
+            for n, line in _lines(path, max_mb):
                 if not blank_line_docs or line.strip():
                     block.append(line)
+                    size += len(line)
+                    if size > max_mb * 1e6:  # characters: at most the bytes
+                        raise _too_big(path, n, size, max_mb)
                 elif block:
                     stats.records += 1
                     yield "".join(block)
-                    block = []
+                    block, size = [], 0
             if block:
                 stats.records += 1
                 yield "".join(block)
