@@ -91,8 +91,8 @@ class Trainer:
         """The loop of a resolved run on its mesh. init_weights=False leaves the shards uninitialised, for a
         checkpoint to be loaded into."""
         cfg, device = run.cfg, run.device
-        self.run, self.cfg, self.mesh, self.device, self.run_dir, self.hooks = run, cfg, mesh, device, run.run_dir, \
-            list(hooks)
+        self.run, self.cfg, self.mesh, self.device, self.run_dir = run, cfg, mesh, device, run.run_dir
+        self.hooks = list(hooks)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = dp_rank_size(mesh)
         self.tp = mesh["tp"].size()
@@ -174,8 +174,7 @@ class Trainer:
             print(message, flush=True)
 
     def _stop_mid_step(self) -> bool:
-        """Without checkpointing nothing is saved at the step's end, so a stop need not wait for it (a step of a big
-        model on CPU takes minutes)."""
+        """Without checkpointing nothing is saved at the step's end: a stop need not wait for it (minutes on CPU)."""
         return self.stop_requested and self.cfg.checkpoint.interval == 0
 
     # -- collectives over the data-parallel axes -------------------------------------------------------------
@@ -256,13 +255,6 @@ class Trainer:
         lengths, each would compile them again (three compilations of every block instead of one)."""
         return torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext()
 
-    @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean token loss over the fixed validation batches, all data-parallel ranks together; None when a stop
-        request (a signal on any rank) cut it short."""
-        with self._eager():
-            return self._evaluate()
-
     def _stop_voted_now(self) -> bool:
         """Whether any rank has been asked to stop, agreed by all (one all-reduce of one number)."""
         flag = torch.full((), float(self.stop_requested), device=self.device)
@@ -271,16 +263,20 @@ class Trainer:
         self.stop_voted = self.stop_voted or bool(flag)
         return self.stop_voted
 
-    def _evaluate(self) -> float | None:
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean token loss over the fixed validation batches, all data-parallel ranks together; None when a stop
+        request (a signal on any rank) cut it short, between two batches."""
         self.model.eval()
         total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
-        for x, y in self.data.valid:
-            if self._stop_voted_now():  # a signal stops a long validation between batches, every rank at the same one
-                break
-            with self.loss_context(), self.autocast():
-                loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))
-            total[0] += loss.to_local() if hasattr(loss, "to_local") else loss
-            total[1] += (y != IGNORE_INDEX).sum()
+        with self._eager():
+            for x, y in self.data.valid:
+                if self._stop_voted_now():
+                    break
+                with self.loss_context(), self.autocast():
+                    loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))
+                total[0] += loss.to_local() if hasattr(loss, "to_local") else loss
+                total[1] += (y != IGNORE_INDEX).sum()
         self.model.train()
         total = self._dp_sum(total)
         return None if self.stop_voted else float(total[0] / total[1])
