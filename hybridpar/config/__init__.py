@@ -264,7 +264,9 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=lambda: get_model_config("tiny"), metadata={"help": "architecture"})
+    model: ModelConfig = field(default_factory=lambda: get_model_config("tiny"), metadata={
+        "help": "architecture; model.name picks a zoo preset (python launch/model_zoo.py), the other fields override "
+                "it; the defaults shown are those of the default preset, tiny"})
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"help": "device mesh"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "training loop"})
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer and LR schedule"})

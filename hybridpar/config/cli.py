@@ -217,22 +217,31 @@ def command_help(options: type, about: str, prog: str, config: bool, positional:
     many = positional and typing.get_origin(_field_type(options, positional)) is list
     usage = f"usage: python {prog}" + (f" {positional.upper()}{'...' if many else ''}" if positional else "")
     lines = [usage + " [--flag VALUE ...]" + (" [--config FILE] [--section.field VALUE ...]" if config else ""), "",
-             about, ""]
-    for key in all_keys(options):
-        tp = _field_type(options, key)
-        f = next(f for f in dataclasses.fields(options) if f.name == key.split(".")[0])
-        if "." in key:
-            sub = _hints(options)[key.split(".")[0]]
-            f = next(g for g in dataclasses.fields(sub) if g.name == key.split(".")[1])
-        default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
-            else f"default: {f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
-        kind = " [BOOL]" if tp is bool else f" {_type_name(tp).upper()}"
-        name = key.upper() if key == positional else _flag(key) + kind
-        lines += [f"  {name}", f"      {f.metadata.get('help', '')} ({default})"]
+             about, "", *_field_help(options, "", lambda key, kind: key.upper() if key == positional else
+                                     f"{_flag(key)} {kind}", str)]
     if config:
         lines += ["", "Every other --section.field VALUE (and --config FILE) is a training config override; python "
                       "launch/pretrain_gpt.py --help lists them."]
     return "\n".join(lines)
+
+
+def _field_help(cls, prefix: str, name, show, defaults=None) -> list[str]:
+    """Two lines per leaf field of dataclass `cls` (name(key, TYPE); its docstring and default, shown by `show`),
+    under a line per nested section. Defaults from the instance `defaults`, else the fields' own."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        tp, key = _hints(cls)[f.name], prefix + f.name
+        if defaults is not None:
+            value = getattr(defaults, f.name)
+        else:
+            value = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if dataclasses.is_dataclass(tp):
+            lines += [f"{key}: {f.metadata.get('help', '')}", *_field_help(tp, key + ".", name, show, value), ""]
+            continue
+        default = "required" if value is dataclasses.MISSING else f"default: {show(value)}"
+        lines += [f"  {name(key, '[BOOL]' if tp is bool else _type_name(tp).upper())}",
+                  f"      {f.metadata.get('help', '')} ({default})"]
+    return lines
 
 
 def _build_model(values: dict) -> ModelConfig:
@@ -372,28 +381,7 @@ def dump_yaml(cfg: Config) -> str:
 
 def help_text(prog: str = "launch/pretrain_gpt.py") -> str:
     """Every field with its type, default and docstring, section by section."""
-    lines = [f"usage: python {prog} [--config FILE.yaml] [--section.field VALUE ...]", "",
-             "  --config FILE          YAML file of sections (see configs/); command-line values override it",
-             "  -h, --help             show this message", ""]
-
-    def walk(cls, default, prefix):
-        for f in dataclasses.fields(cls):
-            tp, value = _hints(cls)[f.name], getattr(default, f.name)
-            if dataclasses.is_dataclass(tp):
-                lines.append(f"{prefix}{f.name}: {f.metadata.get('help', '')}")
-                walk(tp, value, f"{prefix}{f.name}.")
-                lines.append("")
-                continue
-            lines.append(f"  --{prefix}{f.name} {_type_name(tp).upper() if tp is not bool else '[BOOL]'}")
-            lines.append(f"      {f.metadata.get('help', '')} (default: {value!r})")
-
-    lines.append("model: architecture; model.name picks a zoo preset (python launch/model_zoo.py), the other fields "
-                 "override it; the defaults shown are those of the default preset, tiny")
-    walk(ModelConfig, get_model_config("tiny"), "model.")
-    lines.append("")
-    for f in dataclasses.fields(Config):
-        if f.name != "model":
-            lines.append(f"{f.name}: {f.metadata.get('help', '')}")
-            walk(_hints(Config)[f.name], getattr(Config(), f.name), f"{f.name}.")
-            lines.append("")
-    return "\n".join(lines)
+    return "\n".join([f"usage: python {prog} [--config FILE.yaml] [--section.field VALUE ...]", "",
+                      "  --config FILE          YAML file of sections (see configs/); command-line values override it",
+                      "  -h, --help             show this message", "",
+                      *_field_help(Config, "", lambda key, kind: f"--{key} {kind}", repr, Config())])
