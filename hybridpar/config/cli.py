@@ -191,17 +191,7 @@ def parse_command(argv: list[str], options: type, about: str, prog: str, config:
                 i += 1
             continue
         tp = _field_type(options, key)
-        if eq:
-            values = [value]
-        elif tp is bool and (i == len(argv) or argv[i].startswith("--")):
-            values = ["true"]
-        else:
-            values = []
-            while i < len(argv) and not argv[i].startswith("--") and (not values or typing.get_origin(tp) is list):
-                values.append(argv[i])
-                i += 1
-            if not values:
-                raise ConfigError(f"{_flag(key)} needs a value")
+        values, i = _values(argv, i, eq, value, tp, _flag(key))
         _set(tree, key, [_CliValue(v) for v in values] if typing.get_origin(tp) is list else _CliValue(values[0]))
     if positional and positional not in tree and next(
             f for f in dataclasses.fields(options) if f.name == positional).default is dataclasses.MISSING:
@@ -275,38 +265,39 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     tree[leaf] = value
 
 
+def _values(argv: list[str], i: int, eq: str, value: str, tp, flag: str) -> tuple[list[str], int]:
+    """The values of the flag just before argv[i] and the index after them: its =VALUE; true for a bare boolean
+    flag; else the next word (for a list, every word up to the next flag)."""
+    if eq:
+        return [value], i
+    if tp is bool and (i == len(argv) or argv[i].startswith("--")):
+        return ["true"], i
+    values = []
+    while i < len(argv) and not argv[i].startswith("--") and (not values or typing.get_origin(tp) is list):
+        values.append(argv[i])
+        i += 1
+    if not values:
+        raise ConfigError(f"{flag} needs a value")
+    return values, i
+
+
 def parse_overrides(argv: list[str]) -> tuple[str | None, dict]:
     """Split argv into the --config path and a nested dict of `--a.b VALUE` / `--a.b=VALUE` overrides."""
-    keys, config_path, tree = set(all_keys()), None, {}
-    i = 0
+    keys, config_path, tree, i = set(all_keys()), None, {}, 0
     while i < len(argv):
-        arg = argv[i]
+        arg, i = argv[i], i + 1
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field VALUE")
         key, eq, value = arg[2:].partition("=")
-        if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if key in keys and _is_bool(key) and (nxt is None or nxt.startswith("--")):
-                value = "true"  # a bare boolean flag
-            elif nxt is None:
-                raise ConfigError(f"--{key} needs a value")
-            else:
-                value, i = nxt, i + 1
-        i += 1
+        tp = bool if key in keys and _field_type(Config, key) is bool else str  # a config list is one a,b,c word
+        (value,), i = _values(argv, i, eq, value, tp, f"--{key}")
         if key == "config":
             config_path = value
-            continue
-        if key not in keys:
+        elif key not in keys:
             raise _unknown(key, sorted(keys | {"config"}))
-        _set(tree, key, _CliValue(value))
+        else:
+            _set(tree, key, _CliValue(value))
     return config_path, tree
-
-
-def _is_bool(key: str) -> bool:
-    cls, *path, leaf = [Config, *key.split(".")]
-    for p in path:
-        cls = _hints(cls)[p]
-    return _hints(cls).get(leaf) is bool
 
 
 def _merge(base: dict, top: dict) -> dict:
