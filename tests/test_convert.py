@@ -50,6 +50,9 @@ def test_to_hf_and_back(tmp_path, family, arch):
     model, ckpt = _checkpoint(tmp_path, family)
     out = run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "hf")])
     assert out.returncode == 0, out.stderr
+    # the run's end of document (the byte tokenizer's 0) as eos, and no warning about GPT-2's 50256 on the way
+    assert "within the vocabulary" not in out.stderr + out.stdout, out.stderr
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 0
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
     assert type(hf).__name__ == arch
     ids = torch.randint(0, 384, (2, 32), generator=torch.Generator().manual_seed(1))

@@ -134,6 +134,8 @@ def _rules(fam: str, cfg: ModelConfig):
 
 def _hf_config(fam: str, cfg: ModelConfig):
     values = {theirs: getattr(cfg, ours) for ours, theirs in CONFIG_FIELDS[fam]}
+    values.update(bos_token_id=None, eos_token_id=None)  # the run's own end of document, set by the exporter: not
+    #                                   GPT-2's 50256, which transformers warns is outside a smaller vocabulary
     if fam == "gpt2":
         from transformers import GPT2Config
 
