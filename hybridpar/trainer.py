@@ -284,8 +284,7 @@ class Trainer:
     def _validate(self, result: TrainResult) -> None:
         val = self.evaluate()
         if val is None:
-            self.log.print(f"validation at step {self.step} stopped by a stop request; not logged")
-            return
+            return self.log.print(f"validation at step {self.step} stopped by a stop request; not logged")
         self.log.log({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
 
     # -- the loop ---------------------------------------------------------------------------------------------
@@ -316,7 +315,7 @@ class Trainer:
         last_time, last_step = time.perf_counter(), self.step
         first_step = self.step + 1
         profile_range, profiler = cfg.profile.range, None
-        while self.step < t.steps:
+        while self.step < t.steps and not self.stop_voted:  # (a stop during the first validation: no step)
             if profile_range and self.step + 1 == profile_range[0]:
                 profiler = StepProfiler(cfg.profile, self.device, self.run_dir / "profile", self.rank)
             loss, grad_norm, lr = self.train_step(self.step)
@@ -345,7 +344,7 @@ class Trainer:
             if t.eval_interval and (self.step % t.eval_interval == 0 or done):
                 self._validate(result)
                 last_time = time.perf_counter()  # validation time is not training throughput
-                stop = stop or self.stop_voted  # a signal during validation
+                stop = stop or (self.stop_voted and not done)  # a signal during validation
             for hook in self.hooks:
                 hook.on_step_end(self, self.step)
             if stop:
@@ -353,6 +352,7 @@ class Trainer:
                 self.log.print(f"stop requested: leaving after step {self.step}")
                 break
         self.settle()
+        result.preempted |= self.step < t.steps  # (stopped during the first validation: no break above)
         result.wall_time = time.perf_counter() - start
         if t.sample_tokens and not result.preempted and self.step > 0:  # no sample of an untrained model
             result.sample = self.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)

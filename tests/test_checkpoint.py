@@ -200,26 +200,29 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(reference, tmp_path, cache_d
 
 
 
-def test_sigterm_during_a_long_validation_stops_it_and_saves(tmp_path, cache_dir):
-    """A signal while the validation of step 4 runs (150 batches) stops it at the next batch: nothing of it is
-    logged, the step's checkpoint is saved, the exit status is the preemption's. Before, the whole validation ran."""
+@pytest.mark.parametrize("at", [0, 4])
+def test_sigterm_during_a_long_validation_stops_it_and_saves(at, tmp_path, cache_dir):
+    """A signal while a validation runs (150 batches: the start's, or step 4's) stops it at the next batch: nothing
+    of it is logged, no further step runs, the step's checkpoint is saved, the exit status is the preemption's.
+    Before, the whole validation ran (and then a step, after the start's)."""
     run_dir = tmp_path / "val"
     args = _args(cache_dir, run_dir, "--checkpoint.interval", "100", "--train.eval_interval", "4",
                  "--train.eval_batches", "150", "--logging.interval", "4")
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=user_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:  # step 4's row is written just before its validation
-        if (run_dir / "metrics.jsonl").exists() and '"step": 4, "loss"' in (run_dir / "metrics.jsonl").read_text():
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # opened just before the start's validation; step 4's
+        if metrics.exists() and (at == 0 or '"step": 4, "loss"' in metrics.read_text()):  # row just before its own
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 75, stderr[-3000:]
-    assert "validation at step 4 stopped by a stop request; not logged" in stdout
+    assert f"validation at step {at} stopped by a stop request; not logged" in stdout
     rows = metrics_rows(run_dir)
-    assert [r["step"] for r in rows if "val_loss" in r] == [0]  # the start's validation only
-    assert latest_checkpoint(run_dir) == checkpoint_dir(run_dir, 4)
+    assert [r["step"] for r in rows if "val_loss" in r] == ([] if at == 0 else [0])
+    assert max([r["step"] for r in rows if "loss" in r], default=0) == at
+    assert latest_checkpoint(run_dir) == checkpoint_dir(run_dir, at)
 
 def test_second_signal_aborts_and_keeps_the_last_checkpoint(tmp_path, cache_dir):
     run_dir = tmp_path / "twice"

@@ -159,7 +159,11 @@ def test_an_end_of_document_text_inside_a_document_does_not_split_it(tmp_path):
         preprocess(iter(["fine", "a NUL \x00 inside"]), "bytes", tmp_path / "nul")
     (tmp_path / "arr.jsonl").write_text(json.dumps([{"text": "a"}, {"text": "b"}]) + "\n")
     (tmp_path / "pretty.json").write_text(json.dumps([{"text": "a"}], indent=2))
+    (tmp_path / "scalars.jsonl").write_text('{"text": "ok"}\n7\n')
+    (tmp_path / "null.jsonl").write_text("null\n")
     for name, message in [("arr.jsonl", r"arr.jsonl:1 is a JSON array, not an object"),
+                          ("scalars.jsonl", r"scalars.jsonl:2 is a JSON number, not an object"),
+                          ("null.jsonl", r"null.jsonl:1 is a JSON null, not an object"),
                           ("pretty.json", r"pretty.json:1 is not valid JSON .* jq -c '.\[\]' FILE > FILE.jsonl")]:
         with pytest.raises(DataError, match=message):
             list(iter_documents([tmp_path / name]))

@@ -302,8 +302,9 @@ def test_python_tags_and_damaged_json_are_one_line_errors(trained, tmp_path):
     (ckpt / "run_state.json").write_text('{"wandb_id": ')
     with pytest.raises(CheckpointError, match="run_state.json is damaged"):
         read_run_state(ckpt)
-    for state, message in [({"wandb_id": 5}, "wandb_id is 5, not a string"),
-                           ({"tokenizer_fingerprint": ["x"]}, r"tokenizer_fingerprint is \['x'\], not a string"),
+    for state, message in [({"wandb_id": 5}, "wandb_id is 5, not a non-empty string"),
+                           ({"wandb_id": ""}, "wandb_id is '', not a non-empty string"),
+                           ({"tokenizer_fingerprint": ["x"]}, r"tokenizer_fingerprint is \['x'\], not a non-empty"),
                            ({"cpu_threads": "2"}, "cpu_threads is '2', not a positive int"),
                            ({"cpu_threads": True}, "cpu_threads is True, not a positive int"),
                            ({"cpu_threads": 0}, "cpu_threads is 0, not a positive int")]:

@@ -70,9 +70,10 @@ def read_run_state(path: Path) -> dict:
         raise CheckpointError(f"{f} is damaged (not a JSON object); delete it to resume without the W&B run id")
     for key, kind in RUN_STATE_TYPES.items():
         v = state.get(key)
-        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) or kind is int and v < 1):
-            raise CheckpointError(f"{f} is damaged ({key} is {v!r}, not a {'positive int' if kind is int else 'string'}); "
-                                  f"delete it to resume without the W&B run id, or use another checkpoint")
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool) or (v < 1 if kind is int else not v)):
+            want = "a positive int" if kind is int else "a non-empty string"
+            raise CheckpointError(f"{f} is damaged ({key} is {v!r}, not {want}); delete it to resume without the W&B "
+                                  f"run id, or use another checkpoint")
     return state
 
 

@@ -111,7 +111,8 @@ def iter_documents(paths: Iterable[Path], json_key: str = "text", blank_line_doc
                     raise DataError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be one JSON object"
                                     f"{hint}") from None
                 if not isinstance(record, dict):
-                    kind = {list: "array", str: "string", bool: "boolean"}.get(type(record), type(record).__name__)
+                    kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+                            type(None): "null"}[type(record)]
                     raise DataError(f"{path}:{n} is a JSON {kind}, not an object: each line must be one object such "
                                     f"as {{\"{json_key}\": \"...\"}} (a file holding one JSON array converts with "
                                     f"jq -c '.[]' FILE > FILE.jsonl)")
