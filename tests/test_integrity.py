@@ -304,7 +304,7 @@ def test_python_tags_and_damaged_json_are_one_line_errors(trained, tmp_path):
         read_run_state(ckpt)
     for state, message in [({"wandb_id": 5}, "wandb_id is 5, not a non-empty string"),
                            ({"wandb_id": ""}, "wandb_id is '', not a non-empty string"),
-                           ({"tokenizer_fingerprint": ["x"]}, r"tokenizer_fingerprint is \['x'\], not a non-empty"),
+                           ({"tokenizer_fingerprint": ["x"]}, r"tokenizer_fingerprint is \['x'\], not a non-empty string"),
                            ({"cpu_threads": "2"}, "cpu_threads is '2', not a positive int"),
                            ({"cpu_threads": True}, "cpu_threads is True, not a positive int"),
                            ({"cpu_threads": 0}, "cpu_threads is 0, not a positive int")]:
