@@ -212,6 +212,16 @@ def test_a_prefix_preprocessed_again_gets_fresh_index_caches(tmp_path):
     assert len(list((tmp_path / "cache" / "megatron-index").iterdir())) == 2
 
 
+
+def test_a_zero_document_index_is_refused_alone_and_in_a_blend(tmp_path):
+    """An .idx of no documents (what preprocessing an input of empty records writes, with a warning): megatron-core
+    would look for an epoch with tokens forever. One line names the prefix, alone or as one part of a blend."""
+    empty, good = _write(tmp_path / "empty", []), _write(tmp_path / "good", _docs(50))
+    for path in (empty, f"0.5 {good} 0.5 {empty}"):
+        with pytest.raises(DataError, match=rf"data.path: {empty} holds no documents; preprocess some text"):
+            build_gpt_datasets(*open_blend(path), "90,10,0", (0.9, 0.1, 0.0), 8, 0, ByteTokenizer(), 256,
+                               {"train": 20}, tmp_path / "cache")
+
 def test_negative_token_ids_are_refused(tmp_path):
     with pytest.raises(DataError, match=r"token id -3 is negative"):
         _write(tmp_path / "w", [np.array([5, 6, -3, 7])], dtype=np.int32)
