@@ -20,3 +20,8 @@ class DataError(UserError):
 
 class RunDirError(UserError):
     """A run directory that this process may not use (another run holds it, or it is not a directory)."""
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first non-empty line of an exception's message (its type name when it has none), for one-line errors."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]

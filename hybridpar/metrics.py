@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from hybridpar.config import Config, ProfileConfig
-from hybridpar.errors import ConfigError, RunDirError
+from hybridpar.errors import ConfigError, RunDirError, first_line
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -35,8 +35,8 @@ def wandb_mode(configured: str | None) -> str:
     offline otherwise. A WANDB_MODE wandb would refuse (even beside an explicit mode) is a ConfigError."""
     env = os.environ.get("WANDB_MODE")
     if env is not None and env not in WANDB_MODES and configured != "disabled":
-        raise ConfigError(f"WANDB_MODE={env!r} in the environment is not a W&B mode (wandb refuses to start with it); "
-                          f"unset it, or set it to online, offline or disabled")
+        raise ConfigError(f"WANDB_MODE={env!r} in the environment is not a W&B mode (wandb refuses to start with "
+                          f"it); unset it, or set it to online, offline or disabled")
     if configured is not None:
         return configured
     if env:
@@ -79,7 +79,7 @@ class MetricsLogger:
                 try:
                     self.wandb_run = init(mode, init_timeout=float(os.environ.get("WANDB_INIT_TIMEOUT", 30)))
                 except wandb.errors.Error as e:
-                    self.print(f"W&B unreachable ({str(e).splitlines()[0][:200]}); logging offline instead")
+                    self.print(f"W&B unreachable ({first_line(e)}); logging offline instead")
                     mode = "offline"
             if self.wandb_run is None:
                 self.wandb_run = init(mode)

@@ -209,10 +209,8 @@ class Trainer:
                                               stop_now=self._stop_mid_step,
                                               accumulate_unsharded=self.cfg.parallel.accumulate_unsharded)
         grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip).reshape(()).float()
-        stop = torch.full((), float(self.stop_requested), device=self.device)  # a fill kernel, not a host copy
-        if dist.get_world_size() > 1:
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        status = torch.stack([grad_norm, stop])  # (norm, stop vote): settled by settle(), now or one step late
+        # (norm, stop vote): settled by settle(), now or one step late
+        status = torch.stack([grad_norm, self._stop_vote()])
         self._pending.append((step + 1, status))
         if self._device_skip:  # the fused kernel skips the whole update when found_inf is nonzero: no host read
             self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
@@ -255,13 +253,12 @@ class Trainer:
         lengths, each would compile them again (three compilations of every block instead of one)."""
         return torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext()
 
-    def _stop_voted_now(self) -> bool:
-        """Whether any rank has been asked to stop, agreed by all (one all-reduce of one number)."""
+    def _stop_vote(self) -> torch.Tensor:
+        """1.0 on every rank when any rank was asked to stop, on the device (a fill kernel, not a host copy)."""
         flag = torch.full((), float(self.stop_requested), device=self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.stop_voted = self.stop_voted or bool(flag)
-        return self.stop_voted
+        return flag
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -271,7 +268,8 @@ class Trainer:
         total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
         with self._eager():
             for x, y in self.data.valid:
-                if self._stop_voted_now():
+                self.stop_voted = self.stop_voted or bool(self._stop_vote())  # read now: validation stops here
+                if self.stop_voted:
                     break
                 with self.loss_context(), self.autocast():
                     loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, first_line
 
 EOD_TOKEN = "<|endoftext|>"  # what hybridpar's trained BPEs use
 EOD_TOKENS = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # GPT-2, Llama 3, Llama 2 / Mistral, Gemma
@@ -137,9 +137,8 @@ def _read(spec: str, path, what: str, load):
     try:
         return load()
     except Exception as e:  # tokenizers and sentencepiece raise plain Exception / RuntimeError for bad files
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        raise ConfigError(f"data.tokenizer={spec!r}: {path} is not a valid {what} ({reason}); the file is damaged or "
-                          f"of another kind") from None
+        raise ConfigError(f"data.tokenizer={spec!r}: {path} is not a valid {what} ({first_line(e, 160)}); the file "
+                          f"is damaged or of another kind") from None
 
 
 def train_bpe(docs: Iterable[str], vocab_size: int):
