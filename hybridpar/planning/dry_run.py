@@ -3,7 +3,7 @@
 A fake process group of the requested world size stands in for NCCL (its collectives return at once), and the
 trainer's own start-up (hybridpar.parallel.startup: meta-device build, the real parallelize function for one rank's
 coordinates, then that rank's shards materialised and initialised on the CPU) runs for real; an AdamW step on zero
-gradients of meta twins of the shards creates the optimizer state. What comes out is that rank's local shard shapes
+gradients of meta twins of the shards (one per distinct shape) creates the optimizer state. What comes out is that rank's local shard shapes
 and bytes, the bytes it allocated and its init time: the figures the planner (hybridpar.planning.cost) must reproduce.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
@@ -60,21 +61,26 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
         init_seconds = time.perf_counter() - init_start
         params = dict(model.named_parameters())
         materialized = sum(_nbytes(p) for p in params.values())
-        # AdamW's state comes from a real step, taken on meta twins of the local shards (the same shapes and dtypes;
-        # the arithmetic on 10^8 zeros would change no figure); FSDP2 keeps each gradient sharded like its parameter.
-        twins = [torch.empty_like(_local(p), device="meta") for p in params.values()]
-        for t in twins:
+        # AdamW's state comes from a real step on zero gradients, taken on meta twins of the local shards (the same
+        # shapes and dtypes; arithmetic on 10^8 zeros would change no figure), one twin per distinct shard shape
+        # since a parameter's state depends on its own shape alone; FSDP2 keeps each gradient sharded like its
+        # parameter.
+        locals_ = [_local(p) for p in params.values()]
+        kinds = Counter((tuple(t.shape), t.dtype) for t in locals_)
+        twins = {k: torch.empty(k[0], dtype=k[1], device="meta") for k in kinds}
+        for t in twins.values():
             t.grad = torch.zeros_like(t)
-        optimizer = torch.optim.AdamW(twins, lr=1e-4, fused=False, foreach=False)
+        optimizer = torch.optim.AdamW(list(twins.values()), lr=1e-4, fused=False, foreach=False)
         optimizer.step()
-        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        state_bytes = {k: sum(_nbytes(v) for v in optimizer.state[t].values() if isinstance(v, torch.Tensor))
+                       for k, t in twins.items()}
         out = {
             "world_size": world_size, "rank": rank, "degrees": dict(zip(MESH_AXES, degrees)),
             "coords": {axis: mesh[axis].get_local_rank() for axis in MESH_AXES},
             "dry_run_params_bytes": sum(_nbytes(p) for p in params.values()),
             "dry_run_materialized_bytes": materialized, "dry_run_init_seconds": init_seconds,
-            "dry_run_grads_bytes": sum(_nbytes(t.grad) for t in twins),
-            "dry_run_optimizer_bytes": sum(_nbytes(v) for v in state),
+            "dry_run_grads_bytes": sum(n * _nbytes(twins[k].grad) for k, n in kinds.items()),
+            "dry_run_optimizer_bytes": sum(n * state_bytes[k] for k, n in kinds.items()),
             "local_shapes": {n: tuple(_local(p).shape) for n, p in params.items()},
         }
     finally:
