@@ -37,7 +37,7 @@ from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary
 from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens,
                                            forward_backward_no_pipelining, logits_loss)
 from hybridpar.models import count_params
-from hybridpar.training.optim import build_optimizer, clip_grad_norm
+from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
 from hybridpar.training.sampling import generate
 from hybridpar.parallel.startup import build_parallel_model
 
@@ -110,7 +110,8 @@ class Trainer:
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
         self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype=getattr(torch, {"bf16": "bfloat16"}.get(
+            t.precision, "float32")))
         fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
                          if cfg.train.precision == "bf16" and not fsdp else nullcontext)
@@ -130,7 +131,7 @@ class Trainer:
         self.stop_requested, self.stop_signal = False, 0
         self.stop_voted = False  # some rank asked to stop (settled from a step's status)
         self._pending: list[tuple[int, torch.Tensor]] = []  # (step, status) of steps not yet read on the host
-        self._device_skip = all(g.get("fused") for g in self.optimizer.param_groups)
+        self._device_skip = all(g.get("fused") for g in self.optimizer.param_groups if not g.get("muon"))
         self.data_wait_seconds = 0.0  # time train steps waited on data since the last log row (read-ahead hides most)
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
@@ -193,7 +194,7 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * peak_lr_ratio(group, self.cfg.optim)
         t0 = time.perf_counter()
         # Copied to the device at once, asynchronously (the loader pins them on a GPU), so the target-token count
         # below is computed there: counting on the host first would make its copy a blocking one.

@@ -283,9 +283,9 @@ class Checkpointer:
         if not with_optim:
             set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=True))
         else:
-            # The kernel is this run's choice (optim.fused / foreach, the device), not the saved run's: a CPU run's
-            # checkpoint resumed on a GPU, or with another optim.fused, keeps the kernel the trainer was built with.
-            kernels = [{k: g.get(k) for k in ("fused", "foreach")} for g in trainer.optimizer.param_groups]
+            # Hyperparameters and the kernel are this run's choice (its config, the device), not the saved run's: a
+            # CPU run's checkpoint resumed on a GPU, or with another optim.fused, keeps the kernel it was built with.
+            kernels = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
             set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
             for group, kernel in zip(trainer.optimizer.param_groups, kernels):

@@ -127,7 +127,10 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = doc(3e-3, "peak learning rate")
+    name: Literal["adamw", "muon"] = doc(
+        "adamw", "adamw, or muon: Muon (momentum orthogonalised by Newton-Schulz) for the blocks' hidden matrices "
+        "(wq, wk, wv, wo, gate, up, down), AdamW (lr, betas, eps) for embeddings, LM head, norms and biases")
+    lr: float = doc(3e-3, "peak learning rate (AdamW's; Muon's too unless optim.muon_lr is set)")
     min_lr: float = doc(3e-4, "learning rate at the end of the decay")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = doc(
         "cosine", "after warmup: cosine or linear decay to min_lr, constant, or warmup-stable-decay")
@@ -137,13 +140,27 @@ class OptimConfig:
     beta1: float = doc(0.9, "AdamW beta1")
     beta2: float = doc(0.95, "AdamW beta2")
     eps: float = doc(1e-8, "AdamW epsilon")
+    muon_lr: Optional[float] = doc(None, "Muon's peak learning rate, scheduled like lr; None = optim.lr (with "
+                                         "muon_scale=match_rms_adamw, AdamW's lr carries over)")
+    muon_momentum: float = doc(0.95, "Muon's momentum: its buffer is an average of gradients with this decay, in [0, 1)")
+    muon_nesterov: bool = doc(True, "Nesterov momentum: orthogonalise (1 - m) grad + m buffer instead of the buffer")
+    muon_ns_steps: int = doc(5, "Newton-Schulz iterations (quintic, coefficients 3.4445, -4.7750, 2.0315)")
+    muon_scale: Literal["match_rms_adamw", "original"] = doc(
+        "match_rms_adamw", "Muon's update scale: 0.2 sqrt(max(rows, cols)), the RMS of an AdamW update (Moonlight), "
+        "or sqrt(max(1, rows / cols)) (Muon's original rule)")
+    muon_distribution: Literal["owner", "gather"] = doc(
+        "owner", "owner: each matrix is assembled and orthogonalised on one of the ranks holding it (round-robin), "
+        "two all-to-alls a step; gather: every rank all-gathers and orthogonalises every matrix (small models)")
     fused: Optional[bool] = doc(None, "fused AdamW kernel; None = on where every parameter is on a GPU (the CUDA "
                                       "default), off on CPU")
     foreach: Optional[bool] = doc(None, "without the fused kernel: the foreach (multi-tensor) AdamW; None = torch's "
                                         "choice (foreach on CUDA, the per-tensor loop on CPU)")
 
     def __post_init__(self):
-        _positive("optim", lr=self.lr, eps=self.eps, decay_steps=self.decay_steps)
+        _positive("optim", lr=self.lr, eps=self.eps, decay_steps=self.decay_steps, muon_lr=self.muon_lr,
+                  muon_ns_steps=self.muon_ns_steps)
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ValueError(f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)")
         if self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optim.min_lr={self.min_lr} must be in [0, optim.lr={self.lr}]")
         if self.warmup_steps < 0 or self.weight_decay < 0:

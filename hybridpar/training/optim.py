@@ -1,4 +1,4 @@
-"""AdamW with decay on matrices only, and global-norm gradient clipping that works for plain and DTensor grads."""
+"""AdamW with decay on matrices only (or Muon beside it), and global-norm gradient clipping that works for plain and DTensor grads."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hybridpar.config import OptimConfig
+from hybridpar.errors import ConfigError
 
 
 def tensor_kind(t: torch.Tensor) -> tuple:
@@ -16,31 +17,52 @@ def tensor_kind(t: torch.Tensor) -> tuple:
     return (t.device_mesh, tuple(t.placements)) if hasattr(t, "device_mesh") else ("plain",)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW whose weight decay applies to parameters of 2+ dims (linear weights, embeddings) and not to biases or
-    norm gains, as in GPT-3 and nanoGPT. Fused kernel for CUDA parameters unless optim.fused says otherwise.
+def build_optimizer(model: nn.Module, cfg: OptimConfig, ns_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    """AdamW (optim.name=adamw), or Muon for the blocks' hidden matrices beside AdamW for the rest (muon; see
+    hybridpar.training.muon). AdamW's weight decay applies to parameters of 2+ dims (linear weights, embeddings),
+    not to biases or norm gains, as in GPT-3 and nanoGPT. Fused kernel for CUDA parameters unless optim.fused says
+    otherwise. ns_dtype: Muon's Newton-Schulz precision (bf16 for bf16 runs).
 
-    One param group per parameter role (its name with the layer index left out: `layers.*.attn.wq.weight`): a
-    role has one tensor kind on every layout (a plain tensor, or DTensors of one mesh and placements), which the
+    AdamW has one param group per parameter role (its name with the layer index left out: `layers.*.attn.wq.weight`):
+    a role has one tensor kind on every layout (a plain tensor, or DTensors of one mesh and placements), which the
     fused and foreach kernels need (they refuse a mix, and under tensor parallelism without FSDP some parameters stay
     plain tensors beside DTensors), and the groups are the same, in the same order, whatever the layout, so a
     checkpoint's optimizer state loads into any other layout. Every group has the same hyperparameters but the
-    decay: the update is AdamW's with two groups."""
+    decay: the update is AdamW's with two groups. Muon's matrices are one group, in the model's order."""
     from hybridpar.parallel.startup import plain_name
+    from hybridpar.training.muon import HIDDEN_MATRIX, Muon
 
     groups: dict[tuple, dict] = {}
+    matrices = []
     for name, p in model.named_parameters():  # each shared (tied) parameter once
-        if p.requires_grad:
-            decay = cfg.weight_decay if p.dim() >= 2 else 0.0
-            role = re.sub(r"^layers\.\d+\.", "layers.*.", plain_name(name))
-            group = groups.setdefault((role, tensor_kind(p)), {"params": [], "weight_decay": decay})
-            group["params"].append(p)
+        if not p.requires_grad:
+            continue
+        if cfg.name == "muon" and HIDDEN_MATRIX.fullmatch(plain_name(name)):
+            matrices.append(p)
+            continue
+        decay = cfg.weight_decay if p.dim() >= 2 else 0.0
+        role = re.sub(r"^layers\.\d+\.", "layers.*.", plain_name(name))
+        group = groups.setdefault((role, tensor_kind(p)), {"params": [], "weight_decay": decay})
+        group["params"].append(p)
+    if cfg.name == "muon" and not matrices:
+        raise ConfigError("optim.name=muon: this model has no hidden matrices (wq, wk, wv, wo, gate, up, down of "
+                          "its blocks) for Muon; use optim.name=adamw")
     params = [p for g in groups.values() for p in g["params"]]
     # Where the parameters live decides the kernel: with FSDP CPU offload they (and the step) are on the CPU.
     fused = cfg.fused if cfg.fused is not None else all(p.device.type == "cuda" for p in params)
     foreach = None if fused else cfg.foreach
-    return torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             fused=fused, foreach=foreach)
+    adamw = torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                              fused=fused, foreach=foreach)
+    if cfg.name == "adamw":
+        return adamw
+    return Muon(matrices, adamw, lr=cfg.muon_lr or cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, scale=cfg.muon_scale, ns_dtype=ns_dtype,
+                distribution=cfg.muon_distribution)
+
+
+def peak_lr_ratio(group: dict, cfg: OptimConfig) -> float:
+    """A param group's peak lr over optim.lr, the schedule's peak (Muon's group: optim.muon_lr / optim.lr)."""
+    return (cfg.muon_lr or cfg.lr) / cfg.lr if group.get("muon") else 1.0
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
