@@ -41,10 +41,10 @@ def reference(tmp_path_factory, cache_dir):
     return run_dir, losses, load_full_model_state(checkpoint_dir(run_dir, STEPS))
 
 
-def _kill_when(run_dir, cache_dir, ready, delay: float = 0.0):
+def _kill_when(run_dir, cache_dir, ready, delay: float = 0.0, extra=()):
     """Start the run, SIGKILL it once ready(run_dir) holds (plus delay); returns whether it was still running."""
     with open(run_dir.parent / "killed.log", "w") as log:  # its console, kept for a failure's message
-        proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir)], cwd=ROOT, env=user_env(),
+        proc = subprocess.Popen([sys.executable, *_args(cache_dir, run_dir, *extra)], cwd=ROOT, env=user_env(),
                                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + 300
         while not ready(run_dir) and proc.poll() is None and time.time() < deadline:
@@ -241,8 +241,10 @@ def test_second_signal_aborts_and_keeps_the_last_checkpoint(tmp_path, cache_dir)
     load_full_model_state(latest_checkpoint(run_dir))
 
 
-def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, cache_dir):
-    out = run_cli(_args(cache_dir, tmp_path / "nan", "--optim.lr", "1e30", "--optim.min_lr", "0",
+# Muon with the fused AdamW beside it (CUDA's default) skips on the device: the optimizer reads found_inf.
+@pytest.mark.parametrize("optim", [[], ["--optim.name", "muon", "--optim.fused", "true"]], ids=["adamw", "muon-fused"])
+def test_non_finite_steps_are_skipped_then_stop_the_run(optim, tmp_path, cache_dir):
+    out = run_cli(_args(cache_dir, tmp_path / "nan", *optim, "--optim.lr", "1e30", "--optim.min_lr", "0",
                         "--optim.warmup_steps", "0", "--train.max_skipped_steps", "2", "--checkpoint.interval", "1"))
     assert out.returncode == 3, out.stderr[-3000:]
     assert "optimizer step skipped (1 in a row" in out.stdout
@@ -288,3 +290,58 @@ def test_weights_only_starts_a_new_run(reference, tmp_path, cache_dir):
 
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
+
+# -- Muon: its momentum buffers are checkpointed, resharded and restored like AdamW's moments ---------------------
+MUON = ["--optim.name", "muon"]
+
+
+@pytest.fixture(scope="module")
+def muon_reference(tmp_path_factory, cache_dir):
+    run_dir = tmp_path_factory.mktemp("muon") / "ref"
+    out = run_cli(_args(cache_dir, run_dir, *MUON))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir, loss_curve(run_dir), load_full_model_state(checkpoint_dir(run_dir, STEPS))
+
+
+def test_muon_kill_9_and_resume_is_bitwise_exact(muon_reference, tmp_path, cache_dir):
+    ref_dir, ref_losses, ref_weights = muon_reference
+    run_dir = tmp_path / "run"
+    _kill_when(run_dir, cache_dir, _complete(4), extra=MUON)
+    resume_from = latest_checkpoint(run_dir)
+    out = run_cli(_args(cache_dir, run_dir, *MUON))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming from {resume_from} (step {step_of(resume_from)}" in out.stdout
+    assert loss_curve(run_dir) == ref_losses
+    weights = load_full_model_state(checkpoint_dir(run_dir, STEPS))
+    assert [k for k in ref_weights if not torch.equal(weights[k], ref_weights[k])] == []
+
+
+def test_muon_resumes_into_another_layout(muon_reference, tmp_path, cache_dir):
+    """One process's step-4 Muon checkpoint continued on 4 ranks with TP and FSDP: the curve continues."""
+    ref_dir, ref_losses, _ = muon_reference
+    run_dir = tmp_path / "resharded"
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                   *_args(cache_dir, run_dir, *MUON, "--checkpoint.load", str(checkpoint_dir(ref_dir, 4)),
+                          "--parallel.dp_shard", "2", "--parallel.tp", "2")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = loss_curve(run_dir)
+    assert sorted(got) == list(range(5, STEPS + 1))
+    for step in got:
+        assert abs(got[step] - ref_losses[step]) <= 1e-5 * ref_losses[step], (got, ref_losses)
+
+
+def test_muon_starts_from_a_seed_checkpoint_and_refuses_adamw_state(muon_reference, reference, tmp_path, cache_dir):
+    seed_dir = tmp_path / "seed"
+    out = run_cli(_args(cache_dir, seed_dir, *MUON, "--train.steps", "0", "--checkpoint.interval", "1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = tmp_path / "from-seed"
+    out = run_cli(_args(cache_dir, run_dir, *MUON, "--checkpoint.load", str(checkpoint_dir(seed_dir, 0))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert loss_curve(run_dir) == muon_reference[1]  # the seed is the init: a fresh Muon from it is the same run
+    ckpt = checkpoint_dir(reference[0], 4)  # AdamW's
+    out = run_cli(_args(cache_dir, tmp_path / "mixed", *MUON, "--checkpoint.load", str(ckpt)))
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        f"error: {ckpt} holds adamw optimizer state and this run has optim.name=muon; resume with --optim.name "
+        f"adamw, or start from its weights with --checkpoint.load_weights_only true")
+    assert not (tmp_path / "mixed").exists()

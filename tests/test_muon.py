@@ -55,6 +55,32 @@ def test_one_process_update_is_torch_muon_beside_torch_adamw(extra, nesterov, sc
     assert sum(1 for s in ours.state.values() if "momentum_buffer" in s) == len(hidden)
 
 
+def test_found_inf_skips_the_whole_update_on_the_device():
+    """The trainer's device-side skip (found_inf, as for the fused AdamW): 1 leaves weights and both optimizers'
+    state as they were, 0 gives bitwise the update of a step without it."""
+    cfg, model = _model(MODERN)
+    optim = replace(cfg.optim, name="muon", fused=True)
+    runs = []
+    for found in (None, 0.0, 1.0):
+        m = build_model(cfg.model, device="cpu")
+        m.load_state_dict(model.state_dict())
+        opt = build_optimizer(m, optim)
+        for step in range(2):
+            for p in m.parameters():
+                p.grad = torch.full_like(p, 0.01 * (step + 1))
+            if step == 1 and found is not None:
+                opt.found_inf = torch.tensor(found)
+            before = {n: p.clone() for n, p in m.named_parameters()}
+            state = [v.clone() for s in opt.state.values() for v in s.values()]
+            opt.step()
+        runs.append((before, state, {n: p.clone() for n, p in m.named_parameters()},
+                     [v.clone() for s in opt.state.values() for v in s.values()]))
+    (_, _, plain, plain_state), (_, _, zero, zero_state), (before, state, skipped, skipped_state) = runs
+    assert all(torch.equal(plain[n], zero[n]) for n in plain) and all(map(torch.equal, plain_state, zero_state))
+    assert all(torch.equal(before[n], skipped[n]) for n in before) and all(map(torch.equal, state, skipped_state))
+    assert not all(torch.equal(before[n], plain[n]) for n in before)
+
+
 def _ns64(u: torch.Tensor, steps: int) -> torch.Tensor:
     """The quintic iteration X <- a X + (b A + c A^2) X, A = X X^T, on the wide orientation, in float64."""
     x = u.double()

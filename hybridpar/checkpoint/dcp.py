@@ -272,6 +272,11 @@ class Checkpointer:
         _check_shapes(path, saved, get_model_state_dict(trainer.model))
         with_optim = not weights_only and any(k.startswith("optim.") for k in saved)  # a seed checkpoint has none
         if with_optim:
+            was = "muon" if any(k.endswith(".momentum_buffer") for k in saved) else "adamw"
+            if was != trainer.cfg.optim.name:
+                raise CheckpointError(f"{path} holds {was} optimizer state and this run has optim.name="
+                                      f"{trainer.cfg.optim.name}; resume with --optim.name {was}, or start from its "
+                                      f"weights with --checkpoint.load_weights_only true")
             state = dict(zip(("model", "optim"), get_state_dict(trainer.model, trainer.optimizer)))
         else:
             state = {"model": get_model_state_dict(trainer.model)}
