@@ -23,7 +23,7 @@ import torch
 from hybridpar.config.cli import ConfigError, parse_command
 from hybridpar.models.config import doc
 from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
-from hybridpar.planning.cost import GIB, GPUS, Layout, memory, step_time
+from hybridpar.planning.cost import GIB, GPUS, Layout, memory, muon_share, step_time
 from hybridpar.planning.layouts import rank_layouts
 from hybridpar.resolve import resolve
 
@@ -87,7 +87,8 @@ def report(a, cfg, layout: Layout) -> dict:
            "seq_len": cfg.train.seq_len, "precision": cfg.train.precision,
            "activation_checkpointing": cfg.train.activation_checkpointing, "fsdp_strategy": cfg.parallel.fsdp_strategy,
            "accumulate_unsharded": cfg.parallel.accumulate_unsharded,
-           **mem, "usable_bytes_per_gpu": usable, "fits": mem["total_bytes_per_gpu"] <= usable, **est}
+           **mem, "usable_bytes_per_gpu": usable, "fits": mem["total_bytes_per_gpu"] <= usable, **est,
+           "optimizer": cfg.optim.name, **muon_share(cfg, layout, a.rank)}
     out["ranked"], out["top"] = rank_layouts(cfg, layout.world, c.gpus_per_node, gpu, a.top), a.top
     return out
 
@@ -105,8 +106,11 @@ def print_report(out: dict) -> None:
     print(f"  usable       {g(out['usable_bytes_per_gpu'])}  -> {'fits' if out['fits'] else 'DOES NOT FIT'}")
     print(f"step time (estimate) {out['step_time_s']:.3f} s = compute {out['compute_s']:.3f} + TP "
           f"{out['tp_comm_s']:.3f} + exposed FSDP {out['fsdp_exposed_s']:.3f} (of {out['fsdp_comm_s']:.3f}) + "
-          f"optimizer {out['optimizer_s']:.3f} + per-microbatch overhead {out['per_microbatch_overhead_s']:.3f} | "
-          f"{out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}")
+          f"optimizer {out['optimizer_s'] + out['muon_ns_s'] + out['muon_comm_s']:.3f} + per-microbatch overhead "
+          f"{out['per_microbatch_overhead_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}")
+    if out["optimizer"] == "muon":
+        print(f"muon (rank {out['rank']}): Newton-Schulz {out['muon_ns_flops'] / 1e12:.2f} TFLOP "
+              f"({out['muon_ns_s']:.3f} s), all-to-all {g(out['muon_comm_bytes'])} sent ({out['muon_comm_s']:.3f} s)")
     if "dry_run_params_bytes" in out:
         print(f"dry run (rank {out['rank']}, coords {out['dry_run_coords']}, {out['dry_run_seconds']:.1f} s): "
               f"params {g(out['dry_run_params_bytes'])} (materialised and initialised in "
@@ -144,7 +148,10 @@ def main(argv: list[str]) -> int:
             out["dry_run_matches"] = (d["dry_run_params_bytes"] == out["params_bytes_per_gpu"]
                                       and d["dry_run_materialized_bytes"] == out["params_bytes_per_gpu"]
                                       and d["dry_run_grads_bytes"] == out["grads_bytes_per_gpu"]
-                                      and d["dry_run_optimizer_bytes"] == out["optimizer_bytes_per_gpu"])
+                                      and d["dry_run_optimizer_bytes"] == out["optimizer_bytes_per_gpu"]
+                                      and all(d.get(f"dry_run_{k}", 0) == out[k]
+                                              for k in ("muon_ns_flops", "muon_comm_bytes")))
+            out.update({k: d[k] for k in ("dry_run_muon_ns_flops", "dry_run_muon_comm_bytes") if k in d})
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -190,3 +190,35 @@ def test_every_layout_gives_the_single_process_muon_curve(tmp_path, cache_dir):
                 assert err <= 1e-5, (model, layout, distribution, name, err)
     gathered, owned = results["modern", (1, 2, 2), "gather"][1], results["modern", (1, 2, 2), "owner"][1]
     assert all(torch.equal(gathered[n], owned[n]) for n in owned)
+
+
+# (model, nodes, layout, rank, distribution), 8 GPUs a node (tests/test_plan.py checks gpt3-175b at 1,024 ranks):
+# gpt-modern-1b's rank 40 of (2, 8, 4) is member 8 of a shard group of 32 (a replica's): it owns 4 of the 112.
+PLANS = [("gpt-modern-1b", 8, ["--parallel.tp", "4", "--parallel.dp_replicate", "2"], 40, "owner"),
+         ("gpt-modern-1b", 8, ["--parallel.tp", "8"], 63, "gather")]
+
+
+@pytest.mark.parametrize("model, nodes, layout, rank, distribution", PLANS,
+                         ids=[f"{p[0]}-{p[1] * 8}-rank{p[3]}-{p[4]}" for p in PLANS])
+def test_planner_muon_figures_equal_the_dry_run(model, nodes, layout, rank, distribution, capsys):
+    """Optimizer bytes (one fp32 buffer for Muon's matrices), Newton-Schulz FLOPs and all-to-all bytes of the
+    planner against the dry run's real Muon optimizer and parallelised model."""
+    import json
+
+    from test_plan import plan_cli
+
+    rc = plan_cli.main(["--model.name", model, "--cluster.nodes", str(nodes), "--cluster.gpus_per_node", "8",
+                        "--train.global_batch_size", str(16 * nodes), "--rank", str(rank), "--top", "0", "--dry-run",
+                        "--json", "--optim.name", "muon", "--optim.muon_distribution", distribution, *layout])
+    out = capsys.readouterr()
+    assert rc == 0, out.err[-3000:]
+    r = json.loads(out.out)
+    assert r["dry_run_matches"] is True and r["dry_run_optimizer_bytes"] == r["optimizer_bytes_per_gpu"]
+    assert (r["dry_run_muon_ns_flops"], r["dry_run_muon_comm_bytes"]) == (r["muon_ns_flops"], r["muon_comm_bytes"])
+    assert r["muon_ns_s"] > 0 and r["muon_comm_s"] > 0
+    # 16 blocks of wq wk wv wo (2048^2, 512 x 2048 twice, 2048^2), gate up down
+    shapes = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
+    flops = [5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes]
+    # gather: all 112; owner: matrices 8, 40, 72, 104 = (block 1, wk), (5, up), (10, wv), (14, down)
+    assert r["muon_ns_flops"] == (16 * sum(flops) if distribution == "gather" else
+                                  flops[1] + flops[5] + flops[2] + flops[6])

@@ -34,7 +34,7 @@ DRY_RUNS = [
     ("gpt-modern-1b", 8, 8, ["--parallel.tp", "8"], 63),
     ("gpt2-1.5b", 8, 8, ["--parallel.tp", "1"], 17),
     ("gpt3-13b", 128, 8, ["--parallel.tp", "8"], 1023),
-    ("gpt3-175b", 128, 8, ["--parallel.tp", "8", "--parallel.dp_replicate", "2"], 0),
+    ("gpt3-175b", 128, 8, ["--parallel.tp", "8", "--parallel.dp_replicate", "2", "--optim.name", "muon"], 0),
 ]
 
 
@@ -54,6 +54,10 @@ def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank, capsys
     assert r["dry_run_grads_bytes"] == r["grads_bytes_per_gpu"]
     assert r["dry_run_optimizer_bytes"] == r["optimizer_bytes_per_gpu"]
     assert r["dry_run_matches"] is True
+    if "muon" in layout:  # Muon's one buffer for its matrices; rank 0 of a shard group of 512 owns 2 of the 576:
+        # block 0's wq and block 85's wv (12288 x 12288 each, 5 x (4 + 2) x 12288^3 FLOPs)
+        assert (r["dry_run_muon_ns_flops"], r["dry_run_muon_comm_bytes"]) == (r["muon_ns_flops"], r["muon_comm_bytes"])
+        assert r["muon_ns_flops"] == 2 * 30 * 12288 ** 3 and r["optimizer_bytes_per_gpu"] < 2 * r["params_bytes_per_gpu"]
     # Tensor by tensor, not just in total.
     cfg = load_config(["--model.name", model])
     lay = r["layout"]

@@ -21,7 +21,7 @@ from hybridpar.planning.flops import flops_parts
 from hybridpar.models import ModelConfig
 from hybridpar.parallel import uses_fsdp
 from hybridpar.parallel.fsdp import reshard_after_forward
-from hybridpar.planning.shapes import Layout, numel, chunk, local_param_count, param_specs
+from hybridpar.planning.shapes import Layout, numel, chunk, local_param_count, local_shape, param_specs
 
 GIB = 2 ** 30
 
@@ -201,8 +201,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     Unsharded gradient accumulation adds the whole tensor-parallel-local model's gathered parameters and fp32
     gradients (accumulation_bytes_per_gpu; 0 otherwise)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    numel, n_tensors = local_param_count(m, layout, rank)
-    params = 4 * numel
+    params = 4 * local_param_count(m, layout, rank)[0]
     fsdp = uses_fsdp(cfg, layout.dp)
     bf16 = t.precision == "bf16"
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
@@ -229,7 +228,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     out = {
         "params_bytes_per_gpu": params,
         "grads_bytes_per_gpu": params,
-        "optimizer_bytes_per_gpu": 2 * params + 4 * n_tensors,
+        "optimizer_bytes_per_gpu": optimizer_bytes(cfg, layout, rank),
         "activations_bytes_per_gpu": sum(acts.values()),
         "activations": acts,
         "logits_bytes_per_gpu": logits_bytes(m, tokens, layout.tp, t.precision or "fp32", t.loss_chunk_tokens),
@@ -243,6 +242,34 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
         on_gpu += ["params_bytes_per_gpu", "grads_bytes_per_gpu", "optimizer_bytes_per_gpu"]
     out["total_bytes_per_gpu"] = sum(out[k] for k in on_gpu)
     return out
+
+
+def _hidden(m: ModelConfig, layout: Layout, rank: int) -> list[tuple[tuple[int, int], int]]:
+    """(global shape, local elements) of each of Muon's matrices, in the model's order."""
+    from hybridpar.training.muon import HIDDEN_MATRIX
+
+    return [(s.shape, numel(local_shape(s, layout, rank))) for s in param_specs(m) if HIDDEN_MATRIX.fullmatch(s.name)]
+
+
+def optimizer_bytes(cfg: Config, layout: Layout, rank: int = 0) -> int:
+    """AdamW: two fp32 moments per parameter and a 4-byte step per tensor; Muon's matrices: one fp32 buffer."""
+    numel_, n_tensors = local_param_count(cfg.model, layout, rank)
+    hidden = _hidden(cfg.model, layout, rank) if cfg.optim.name == "muon" else []
+    muon = sum(held for _, held in hidden)
+    return 4 * muon + 8 * (numel_ - muon) + 4 * (n_tensors - len(hidden))
+
+
+def muon_share(cfg: Config, layout: Layout, rank: int = 0) -> dict:
+    """Newton-Schulz FLOPs and all-to-all bytes (sent, = received) of this rank's share of a Muon step: matrix j of
+    a shard group of dp_shard x tp ranks is owned by member j mod n, member (shard, tp) being shard * tp + tp_rank
+    (hybridpar.training.muon.owner_share); distribution=gather: every matrix, all-gathered."""
+    from hybridpar.training.muon import owner_share
+
+    if cfg.optim.name != "muon":
+        return {"muon_ns_flops": 0, "muon_comm_bytes": 0}
+    hidden, (_, shard, tp_rank) = _hidden(cfg.model, layout, rank), layout.coords(rank)
+    return owner_share([shape for shape, _ in hidden], [held for _, held in hidden], layout.dp_shard * layout.tp,
+                       shard * layout.tp + tp_rank, cfg.optim.muon_ns_steps, cfg.optim.muon_distribution == "gather")
 
 
 # -- time ----------------------------------------------------------------------------------------------------------
@@ -277,7 +304,9 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
       with full_shard) and reduce-scatters; with HSDP one fp32 all-reduce of the gradient shards across replicas;
       over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with compute except
       the first block's all-gather and the last one's reduce-scatter.
-    optimizer: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM.
+    optimizer: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM, Muon's
+      matrices 20; Muon's Newton-Schulz FLOPs of rank 0's share (it owns the most matrices) at MATMUL_EFFICIENCY
+      of the bf16 peak, and its two all-to-alls over NVLink when the shard group fits in a node; not overlapped.
     per-microbatch overhead: kernel launches and FSDP hooks, per block and microbatch.
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -321,10 +350,17 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
         exposed = max(0.0, fsdp + hsdp - compute) + 2 * fsdp / (gathers + 1) / m.n_layers
     params_local = local_param_count(m, layout)[0]
     optimizer = 28 * params_local / (gpu.hbm_gbps * 1e9)
+    muon = muon_share(cfg, layout)  # rank 0: member 0 owns the most matrices
+    muon_ns = muon["muon_ns_flops"] / (gpu.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+    muon_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
+    muon_comm = muon["muon_comm_bytes"] / (muon_bw * 1e9 * LINK_EFFICIENCY)
+    if cfg.optim.name == "muon":  # its matrices stream 20 bytes (read p, g, b; write p, b), not AdamW's 28
+        optimizer -= 8 * sum(held for _, held in _hidden(m, layout, 0)) / (gpu.hbm_gbps * 1e9)
     kernels = KERNELS_PER_BLOCK["modern" if m.position == "rope" or m.mlp == "swiglu" else "gpt2"]
     overhead = n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if uses_fsdp(cfg, layout.dp) else 0.0))
-    total = compute + tp_comm + exposed + optimizer + overhead
+    total = compute + tp_comm + exposed + optimizer + muon_ns + muon_comm + overhead
     return {"step_time_s": total, "compute_s": compute, "tp_comm_s": tp_comm, "fsdp_comm_s": fsdp + hsdp,
-            "fsdp_exposed_s": exposed, "optimizer_s": optimizer, "per_microbatch_overhead_s": overhead,
+            "fsdp_exposed_s": exposed, "optimizer_s": optimizer, "muon_ns_s": muon_ns, "muon_comm_s": muon_comm,
+            "per_microbatch_overhead_s": overhead,
             "tokens_per_sec": t.global_batch_size * t.seq_len / total,
             "mfu": fpt * t.global_batch_size * t.seq_len / total / layout.world / (gpu.peak_tflops * 1e12)}

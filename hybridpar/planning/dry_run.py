@@ -3,7 +3,8 @@
 A fake process group of the requested world size stands in for NCCL (its collectives return at once), and the
 trainer's own start-up (hybridpar.parallel.startup: meta-device build, the real parallelize function for one rank's
 coordinates, then that rank's shards materialised and initialised on the CPU) runs for real; an AdamW step on zero
-gradients of meta twins of the shards (one per distinct shape) creates the optimizer state. What comes out is that rank's local shard shapes
+gradients of meta twins of the shards (one per distinct shape) creates the optimizer state (AdamW's, or Muon's beside it,
+with this rank's Newton-Schulz FLOPs and all-to-all bytes). What comes out is that rank's local shard shapes
 and bytes, the bytes it allocated and its init time: the figures the planner (hybridpar.planning.cost) must reproduce.
 """
 
@@ -22,7 +23,9 @@ import torch.distributed as dist
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.parallel.distributed import MESH_AXES
-from hybridpar.parallel.startup import build_parallel_model
+from hybridpar.parallel.startup import build_parallel_model, plain_name
+from hybridpar.training.muon import HIDDEN_MATRIX, muon_plan
+from hybridpar.training.optim import make_optimizer
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -34,6 +37,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _nbytes(t: torch.Tensor) -> int:
     t = _local(t)
     return t.numel() * t.element_size()
+
+
+_RANK_OF_MESH: dict[tuple, int] = {}
 
 
 def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
@@ -52,6 +58,12 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
         raise ConfigError(f"the degrees {degrees} do not make a world of {world_size}; resolve the config first")
     cfg = replace(cfg, train=replace(cfg.train, compile=False))  # compile changes no shape, and needs real tensors
     start = time.perf_counter()
+    # A device mesh compares equal to an earlier one of the same shape whatever its rank, and DTensor's caches then
+    # hand back parameters on the earlier mesh, with that rank's coordinates (measured with torch 2.13): one rank
+    # per mesh shape and process.
+    if _RANK_OF_MESH.setdefault(degrees, rank) != rank:
+        raise RuntimeError(f"this process ran the dry run of degrees {degrees} for rank {_RANK_OF_MESH[degrees]}; "
+                           f"run rank {rank}'s in a new process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", degrees, mesh_dim_names=MESH_AXES)
@@ -61,19 +73,22 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
         init_seconds = time.perf_counter() - init_start
         params = dict(model.named_parameters())
         materialized = sum(_nbytes(p) for p in params.values())
-        # AdamW's state comes from a real step on zero gradients, taken on meta twins of the local shards (the same
-        # shapes and dtypes; arithmetic on 10^8 zeros would change no figure), one twin per distinct shard shape
-        # since a parameter's state depends on its own shape alone; FSDP2 keeps each gradient sharded like its
-        # parameter.
-        locals_ = [_local(p) for p in params.values()]
-        kinds = Counter((tuple(t.shape), t.dtype) for t in locals_)
+        # The optimizer's state comes from a real step on zero gradients, taken on meta twins of the local shards
+        # (the same shapes and dtypes; arithmetic on 10^8 zeros would change no figure), one twin per distinct
+        # shard shape and optimizer (a parameter's state depends on these alone); FSDP2 keeps each gradient sharded
+        # like its parameter.
+        hidden = {n for n in params if cfg.optim.name == "muon" and HIDDEN_MATRIX.fullmatch(plain_name(n))}
+        kinds = Counter((tuple(_local(p).shape), p.dtype, n in hidden) for n, p in params.items())
         twins = {k: torch.empty(k[0], dtype=k[1], device="meta") for k in kinds}
         for t in twins.values():
             t.grad = torch.zeros_like(t)
-        optimizer = torch.optim.AdamW(list(twins.values()), lr=1e-4, fused=False, foreach=False)
+        optimizer = make_optimizer([{"params": [t for k, t in twins.items() if not k[2]]}],
+                                   [t for k, t in twins.items() if k[2]], replace(cfg.optim, fused=False, foreach=False))
         optimizer.step()
         state_bytes = {k: sum(_nbytes(v) for v in optimizer.state[t].values() if isinstance(v, torch.Tensor))
                        for k, t in twins.items()}
+        muon = muon_plan([params[n] for n in params if n in hidden], cfg.optim.muon_ns_steps,
+                         cfg.optim.muon_distribution == "gather") if hidden else {}
         out = {
             "world_size": world_size, "rank": rank, "degrees": dict(zip(MESH_AXES, degrees)),
             "coords": {axis: mesh[axis].get_local_rank() for axis in MESH_AXES},
@@ -82,6 +97,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
             "dry_run_grads_bytes": sum(n * _nbytes(twins[k].grad) for k, n in kinds.items()),
             "dry_run_optimizer_bytes": sum(n * state_bytes[k] for k, n in kinds.items()),
             "local_shapes": {n: tuple(_local(p).shape) for n, p in params.items()},
+            **{f"dry_run_{k}": v for k, v in muon.items()},
         }
     finally:
         dist.destroy_process_group()

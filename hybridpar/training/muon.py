@@ -90,21 +90,29 @@ def block_of(p: torch.Tensor) -> tuple[int, int, int, int]:
     return (*offset, *shape)
 
 
-def muon_plan(matrices: list[torch.Tensor], steps: int) -> dict:
-    """This rank's share of one Muon step with distribution=owner: Newton-Schulz FLOPs of the matrices it owns and
-    the bytes it sends (= receives) over both all-to-alls, from the matrices' global shapes and its own blocks."""
+def owner_share(shapes: list[tuple[int, int]], mine: list[int], n: int, k: int, steps: int,
+                gather: bool = False) -> dict:
+    """Member k's share of one step, for matrices of global `shapes` (in order) of which it holds `mine` elements
+    each in a shard group of n: the Newton-Schulz FLOPs of the matrices it owns (j mod n == k) and the bytes it
+    sends over the two all-to-alls (as many as it receives): its shard of every other owner's matrix out, then the
+    others' blocks of its results. gather: every matrix is its own, and the bytes are those it receives."""
     flops = traffic = 0
-    counts: dict[tuple, int] = {}
-    for p in matrices:
-        ranks, me = shard_group(p)
-        j = counts[ranks] = counts.get(ranks, -1) + 1
-        mine = block_of(p)[2] * block_of(p)[3]
-        if j % len(ranks) == me:
-            flops += ns_flops(tuple(p.shape), steps)
-            traffic += p.numel() - mine  # the others' shards in, their results out
+    for j, (shape, held) in enumerate(zip(shapes, mine)):
+        if gather or j % n == k:
+            flops += ns_flops(shape, steps)
+            traffic += math.prod(shape) - held
         else:
-            traffic += mine  # this rank's shard out, its result in
-    return {"ns_flops": flops, "comm_bytes": 4 * traffic}
+            traffic += held
+    return {"muon_ns_flops": flops, "muon_comm_bytes": 4 * traffic}
+
+
+def muon_plan(matrices: list[torch.Tensor], steps: int, gather: bool = False) -> dict:
+    """owner_share of this rank, read from the parallelised matrices themselves (one shard group)."""
+    groups = {shard_group(p) for p in matrices}
+    assert len(groups) == 1, groups
+    (ranks, k), = groups
+    mine = [_local(p).numel() for p in matrices]
+    return owner_share([tuple(p.shape) for p in matrices], mine, len(ranks), k, steps, gather)
 
 
 class Muon(torch.optim.Optimizer):

@@ -30,7 +30,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, ns_dtype: torch.dtype = 
     checkpoint's optimizer state loads into any other layout. Every group has the same hyperparameters but the
     decay: the update is AdamW's with two groups. Muon's matrices are one group, in the model's order."""
     from hybridpar.parallel.startup import plain_name
-    from hybridpar.training.muon import HIDDEN_MATRIX, Muon
+    from hybridpar.training.muon import HIDDEN_MATRIX
 
     groups: dict[tuple, dict] = {}
     matrices = []
@@ -47,11 +47,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, ns_dtype: torch.dtype = 
     if cfg.name == "muon" and not matrices:
         raise ConfigError("optim.name=muon: this model has no hidden matrices (wq, wk, wv, wo, gate, up, down of "
                           "its blocks) for Muon; use optim.name=adamw")
-    params = [p for g in groups.values() for p in g["params"]]
+    return make_optimizer(list(groups.values()), matrices, cfg, ns_dtype)
+
+
+def make_optimizer(groups: list[dict], matrices: list[torch.Tensor], cfg: OptimConfig,
+                   ns_dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    """AdamW over `groups`, and with optim.name=muon, Muon over `matrices` beside it."""
+    from hybridpar.training.muon import Muon
+
+    params = [p for g in groups for p in g["params"]]
     # Where the parameters live decides the kernel: with FSDP CPU offload they (and the step) are on the CPU.
     fused = cfg.fused if cfg.fused is not None else all(p.device.type == "cuda" for p in params)
     foreach = None if fused else cfg.foreach
-    adamw = torch.optim.AdamW(list(groups.values()), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                               fused=fused, foreach=foreach)
     if cfg.name == "adamw":
         return adamw
