@@ -107,6 +107,9 @@ def test_fp32_newton_schulz_is_the_quintic_iteration_and_nearly_orthogonal(shape
     (["--optim.muon_momentum", "-0.1"], "optim.muon_momentum=-0.1 must be in [0, 1)"),
     (["--optim.muon_ns_steps", "0"], "optim.muon_ns_steps=0 must be > 0"),
     (["--optim.name", "sgd"], "optim.name='sgd' is not one of adamw, muon"),
+    (["--optim.name", "muon", "--parallel.fsdp_cpu_offload", "true"], "optim.name=muon with "
+     "parallel.fsdp_cpu_offload=true: Muon's all-to-alls run where the process group does and offloaded matrices "
+     "stay in host memory; turn one off"),
 ])
 def test_bad_muon_settings_are_one_line(args, message):
     with pytest.raises(ConfigError) as e:

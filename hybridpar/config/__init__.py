@@ -303,6 +303,9 @@ class Config:
                              f"train.micro_batch_size={t.micro_batch_size}")
         if self.optim.schedule == "wsd" and self.optim.decay_steps and self.optim.decay_steps > t.steps:
             raise ValueError(f"optim.decay_steps={self.optim.decay_steps} exceeds train.steps={t.steps}")
+        if self.optim.name == "muon" and self.parallel.fsdp_cpu_offload:
+            raise ValueError("optim.name=muon with parallel.fsdp_cpu_offload=true: Muon's all-to-alls run where the "
+                             "process group does and offloaded matrices stay in host memory; turn one off")
 
     def grad_accum_steps(self, dp_size: int) -> int:
         """Microbatches per optimizer step on each data-parallel rank."""

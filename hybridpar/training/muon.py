@@ -206,7 +206,8 @@ class Muon(torch.optim.Optimizer):
                 pg = dist.new_group(list(group_ranks))
                 if group_ranks == ranks:
                     mine = pg
-            blocks = torch.tensor([block_of(p) for p in params], dtype=torch.int64)  # (matrices, 4)
+            blocks = torch.tensor([block_of(p) for p in params], dtype=torch.int64,
+                                  device=params[0].device)  # (matrices, 4)
             gathered = [torch.empty_like(blocks) for _ in ranks]
             dist.all_gather(gathered, blocks, group=mine)
             self._groups[ranks] = (mine, torch.stack(gathered, 1).tolist())  # [matrix][member] -> block
