@@ -110,8 +110,8 @@ class Trainer:
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
         self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
-        self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype=getattr(torch, {"bf16": "bfloat16"}.get(
-            t.precision, "float32")))
+        ns_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
+        self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
         fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
         self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
                          if cfg.train.precision == "bf16" and not fsdp else nullcontext)

@@ -119,7 +119,8 @@ def test_bad_muon_settings_are_one_line(args, message):
 
 def test_muon_on_a_model_without_hidden_matrices_is_one_line():
     cfg = load_config(["--optim.name", "muon"])
-    with pytest.raises(ConfigError, match="^optim.name=muon: this model has no hidden matrices .*; use optim.name=adamw$"):
+    with pytest.raises(ConfigError, match="^optim.name=muon: this model has no hidden matrices .*; use "
+                                          "optim.name=adamw$"):
         build_optimizer(nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4)), cfg.optim)
 
 

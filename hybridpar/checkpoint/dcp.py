@@ -290,11 +290,11 @@ class Checkpointer:
         else:
             # Hyperparameters and the kernel are this run's choice (its config, the device), not the saved run's: a
             # CPU run's checkpoint resumed on a GPU, or with another optim.fused, keeps the kernel it was built with.
-            kernels = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+            chosen = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
             set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
-            for group, kernel in zip(trainer.optimizer.param_groups, kernels):
-                group.update(kernel)
+            for group, settings in zip(trainer.optimizer.param_groups, chosen):
+                group.update(settings)
         if weights_only:
             return []
         t = {k: int(v) for k, v in state["trainer"].items() if k != "data_key"}

@@ -142,7 +142,8 @@ class OptimConfig:
     eps: float = doc(1e-8, "AdamW epsilon")
     muon_lr: Optional[float] = doc(None, "Muon's peak learning rate, scheduled like lr; None = optim.lr (with "
                                          "muon_scale=match_rms_adamw, AdamW's lr carries over)")
-    muon_momentum: float = doc(0.95, "Muon's momentum: its buffer is an average of gradients with this decay, in [0, 1)")
+    muon_momentum: float = doc(0.95, "Muon's momentum: its buffer is an average of gradients with this decay, in "
+                                     "[0, 1)")
     muon_nesterov: bool = doc(True, "Nesterov momentum: orthogonalise (1 - m) grad + m buffer instead of the buffer")
     muon_ns_steps: int = doc(5, "Newton-Schulz iterations (quintic, coefficients 3.4445, -4.7750, 2.0315)")
     muon_scale: Literal["match_rms_adamw", "original"] = doc(

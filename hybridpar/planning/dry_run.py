@@ -3,8 +3,8 @@
 A fake process group of the requested world size stands in for NCCL (its collectives return at once), and the
 trainer's own start-up (hybridpar.parallel.startup: meta-device build, the real parallelize function for one rank's
 coordinates, then that rank's shards materialised and initialised on the CPU) runs for real; an AdamW step on zero
-gradients of meta twins of the shards (one per distinct shape) creates the optimizer state (AdamW's, or Muon's beside it,
-with this rank's Newton-Schulz FLOPs and all-to-all bytes). What comes out is that rank's local shard shapes
+gradients of meta twins of the shards (one per distinct shape) creates the optimizer state (AdamW's, or Muon's
+beside it, with this rank's Newton-Schulz FLOPs and all-to-all bytes). What comes out is that rank's local shard shapes
 and bytes, the bytes it allocated and its init time: the figures the planner (hybridpar.planning.cost) must reproduce.
 """
 
@@ -23,9 +23,9 @@ import torch.distributed as dist
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.parallel.distributed import MESH_AXES
-from hybridpar.parallel.startup import build_parallel_model, plain_name
-from hybridpar.training.muon import HIDDEN_MATRIX, muon_plan
-from hybridpar.training.optim import make_optimizer
+from hybridpar.parallel.startup import build_parallel_model
+from hybridpar.training.muon import muon_plan
+from hybridpar.training.optim import make_optimizer, takes_muon
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -77,13 +77,14 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
         # (the same shapes and dtypes; arithmetic on 10^8 zeros would change no figure), one twin per distinct
         # shard shape and optimizer (a parameter's state depends on these alone); FSDP2 keeps each gradient sharded
         # like its parameter.
-        hidden = {n for n in params if cfg.optim.name == "muon" and HIDDEN_MATRIX.fullmatch(plain_name(n))}
+        hidden = {n for n in params if takes_muon(n, cfg.optim)}
         kinds = Counter((tuple(_local(p).shape), p.dtype, n in hidden) for n, p in params.items())
         twins = {k: torch.empty(k[0], dtype=k[1], device="meta") for k in kinds}
         for t in twins.values():
             t.grad = torch.zeros_like(t)
         optimizer = make_optimizer([{"params": [t for k, t in twins.items() if not k[2]]}],
-                                   [t for k, t in twins.items() if k[2]], replace(cfg.optim, fused=False, foreach=False))
+                                   [t for k, t in twins.items() if k[2]],
+                                   replace(cfg.optim, fused=False, foreach=False))
         optimizer.step()
         state_bytes = {k: sum(_nbytes(v) for v in optimizer.state[t].values() if isinstance(v, torch.Tensor))
                        for k, t in twins.items()}

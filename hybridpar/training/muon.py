@@ -132,6 +132,8 @@ class Muon(torch.optim.Optimizer):
             g["muon"] = False
         self.param_groups += adamw.param_groups
         self._link()
+        # Where each matrix lives, fixed for the optimizer's life: (its shard group's ranks, this rank's block).
+        self._place = {p: (shard_group(p)[0], block_of(p)) for p in matrices}
         self._groups: dict[tuple, tuple] = {}  # shard group ranks -> (process group, every member's blocks)
 
     def _link(self) -> None:
@@ -179,7 +181,7 @@ class Muon(torch.optim.Optimizer):
         out: list = [None] * len(params)
         by_group: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
-            by_group.setdefault(shard_group(p)[0], []).append(i)
+            by_group.setdefault(self._place[p][0], []).append(i)
         for ranks, items in by_group.items():
             if len(ranks) == 1:  # this rank holds the whole matrix (one process, or replicated)
                 for i in items:
@@ -189,7 +191,7 @@ class Muon(torch.optim.Optimizer):
                     p = params[i]
                     full = DTensor.from_local(updates[i], p.device_mesh, p.placements, shape=p.shape,
                                               stride=p.stride()).full_tensor()
-                    r, c, h, w = block_of(p)
+                    r, c, h, w = self._place[p][1]
                     out[i] = newton_schulz(full, steps, self.ns_dtype)[r:r + h, c:c + w]
             else:
                 for i, o in zip(items, self._owner_step(ranks, [params[i] for i in items],
@@ -206,7 +208,7 @@ class Muon(torch.optim.Optimizer):
                 pg = dist.new_group(list(group_ranks))
                 if group_ranks == ranks:
                     mine = pg
-            blocks = torch.tensor([block_of(p) for p in params], dtype=torch.int64,
+            blocks = torch.tensor([self._place[p][1] for p in params], dtype=torch.int64,
                                   device=params[0].device)  # (matrices, 4)
             gathered = [torch.empty_like(blocks) for _ in ranks]
             dist.all_gather(gathered, blocks, group=mine)

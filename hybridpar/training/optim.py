@@ -1,4 +1,5 @@
-"""AdamW with decay on matrices only (or Muon beside it), and global-norm gradient clipping that works for plain and DTensor grads."""
+"""AdamW with decay on matrices only (or Muon beside it), and global-norm gradient clipping that works for plain
+and DTensor grads."""
 
 from __future__ import annotations
 
@@ -30,14 +31,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, ns_dtype: torch.dtype = 
     checkpoint's optimizer state loads into any other layout. Every group has the same hyperparameters but the
     decay: the update is AdamW's with two groups. Muon's matrices are one group, in the model's order."""
     from hybridpar.parallel.startup import plain_name
-    from hybridpar.training.muon import HIDDEN_MATRIX
-
     groups: dict[tuple, dict] = {}
     matrices = []
     for name, p in model.named_parameters():  # each shared (tied) parameter once
         if not p.requires_grad:
             continue
-        if cfg.name == "muon" and HIDDEN_MATRIX.fullmatch(plain_name(name)):
+        if takes_muon(name, cfg):
             matrices.append(p)
             continue
         decay = cfg.weight_decay if p.dim() >= 2 else 0.0
@@ -48,6 +47,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, ns_dtype: torch.dtype = 
         raise ConfigError("optim.name=muon: this model has no hidden matrices (wq, wk, wv, wo, gate, up, down of "
                           "its blocks) for Muon; use optim.name=adamw")
     return make_optimizer(list(groups.values()), matrices, cfg, ns_dtype)
+
+
+def takes_muon(name: str, cfg: OptimConfig) -> bool:
+    """Whether the parameter of this (possibly wrapped) name is one of Muon's matrices under `cfg`."""
+    from hybridpar.parallel.startup import plain_name
+    from hybridpar.training.muon import HIDDEN_MATRIX
+
+    return cfg.name == "muon" and HIDDEN_MATRIX.fullmatch(plain_name(name)) is not None
 
 
 def make_optimizer(groups: list[dict], matrices: list[torch.Tensor], cfg: OptimConfig,
