@@ -97,6 +97,9 @@ def main(cfg: Config) -> TrainResult:
                       f"continue it", flush=True)
             trainer.data.close()
             return TrainResult()
+        # Before the run writes anything: a signal from then on (a test, or SLURM, sees metrics.jsonl appear) is a
+        # preemption, not the default kill.
+        _install_signal_handlers(trainer)
         if world.rank == 0:  # only now, with every input checked, does the run write anything
             run.lock.keep_dirs()
             restarted = not resumed and (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite
@@ -123,7 +126,6 @@ def main(cfg: Config) -> TrainResult:
                 trainer.log.print("warning: data settings changed on resume (checkpoint.allow_data_change): "
                                   + "; ".join(data_changes))
                 trainer.log.log({"step": trainer.step, "data_change": "; ".join(data_changes)})
-        _install_signal_handlers(trainer)
         if world.rank == 0:
             (run_dir / PREEMPTED).unlink(missing_ok=True)
             if os.environ.get("SLURM_JOB_ID") and cfg.checkpoint.interval == 0:

@@ -211,7 +211,7 @@ def test_sigterm_during_a_long_validation_stops_it_and_saves(at, tmp_path, cache
     proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=user_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 300
-    while time.time() < deadline and proc.poll() is None:  # opened just before the start's validation; step 4's
+    while time.time() < deadline and proc.poll() is None:  # opened before the start's validation; step 4's
         if metrics.exists() and (at == 0 or '"step": 4, "loss"' in metrics.read_text()):  # row just before its own
             break
         time.sleep(0.005)
