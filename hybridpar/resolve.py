@@ -7,7 +7,7 @@ The order (docs/training.md walks it):
  1. run name and dir: run.name (the --config file's name, else the model's), run.dir = runs/<name>
  2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size;
     the sample count (train.steps x global batch) whose index the data layer must hold in memory
- 3. precision: bf16 on GPUs that support it, fp32 on the CPU
+ 3. precision: bf16 on GPUs that support it, fp32 on the CPU; the downstream tasks (train.eval_tasks' default)
  4. the run dir's lock (a run owns its dir from here), the checkpoint to load and the W&B id it recorded
  5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple x tp)
  6. the layout's divisibility rules, with the final vocabulary; the micro-batch size
@@ -184,6 +184,12 @@ def precision_for(cfg: Config, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
 
 
+def eval_tasks_for(cfg: Config) -> list[str]:
+    if cfg.train.eval_tasks is not None:
+        return list(cfg.train.eval_tasks)
+    return ["builtin:next-words"] if cfg.data.path == "builtin" and cfg.train.eval_interval > 0 else []
+
+
 def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bool = False, tokenizer=None,
             gpu: GPU | None = None) -> Run:
     """The Run of `cfg` on `world` (this process's rank) and `device`, in the order of the module docstring.
@@ -199,7 +205,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     layout = Layout(dp_replicate, dp_shard, tp)
     check_sample_count(cfg)
     parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
-    train = replace(cfg.train, precision=precision_for(cfg, device))  # 3
+    train = replace(cfg.train, precision=precision_for(cfg, device), eval_tasks=eval_tasks_for(cfg))  # 3
     lock = _lock(run_dir, world.rank) if own_run_dir else None  # 4
     try:
         load_from = _checkpoint_to_load(cfg, run_dir) if own_run_dir else None

@@ -38,7 +38,9 @@ from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_tar
                                            forward_backward_no_pipelining, logits_loss)
 from hybridpar.models import count_params
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
-from hybridpar.training.sampling import generate
+from hybridpar.inference.evaluate import Scorer, metrics_row, run_task
+from hybridpar.inference.generate import Sampling, generate
+from hybridpar.inference.tasks import load_tasks
 from hybridpar.parallel.startup import build_parallel_model
 
 
@@ -107,6 +109,7 @@ class Trainer:
         self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (indexes, sample order)")
         self.tokenizer = run.tokenizer
         t = cfg.train
+        self.tasks = load_tasks(t.eval_tasks, cfg.data)  # read and checked now: a bad task file stops the start
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
         self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
@@ -280,6 +283,26 @@ class Trainer:
         total = self._dp_sum(total)
         return None if self.stop_voted else float(total[0] / total[1])
 
+    def scorer(self) -> Scorer:
+        """A Scorer of this run's model on its layout (train.seq_len windows)."""
+        t = self.cfg.train
+        return Scorer(self.model, self.mesh, self.device, self.tokenizer, t.seq_len, t.eval_tasks_batch_size,
+                      self.autocast, self.tp if self.cfg.parallel.sequence_parallel else 1)
+
+    def _eval_tasks(self) -> None:
+        """Score every downstream task (train.eval_tasks) and log one row; a stop request ends it between tasks."""
+        results, scorer = {}, self.scorer()
+        with self._eager():
+            for task in self.tasks:
+                self.stop_voted = self.stop_voted or bool(self._stop_vote())
+                if self.stop_voted:
+                    return self.log.print(f"task evaluation at step {self.step} stopped by a stop request; not logged")
+                results[task.name] = run_task(task, scorer)
+        self.log.log(metrics_row(self.step, results))
+        self.log.print(f"eval step {self.step} | " + " | ".join(
+            f"{name} " + " ".join(f"{k} {v:.4g}" for k, v in m.items() if k not in ("examples", "seconds"))
+            + f" ({m['examples']} examples, {m['seconds']:.1f}s)" for name, m in results.items()))
+
     def _validate(self, result: TrainResult) -> None:
         val = self.evaluate()
         if val is None:
@@ -311,6 +334,8 @@ class Trainer:
         start = time.perf_counter()
         if t.eval_interval and self.step == 0 and t.steps > 0:  # (a seed-checkpoint start skips it)
             self._validate(result)
+        if self.tasks and self.step == 0 and t.steps > 0:
+            self._eval_tasks()
         last_time, last_step = time.perf_counter(), self.step
         first_step = self.step + 1
         profile_range, profiler = cfg.profile.range, None
@@ -344,6 +369,11 @@ class Trainer:
                 self._validate(result)
                 last_time = time.perf_counter()  # validation time is not training throughput
                 stop = stop or (self.stop_voted and not done)  # a signal during validation
+            every = t.eval_tasks_interval
+            if self.tasks and (done or every and self.step % every == 0) and not self.stop_voted:
+                self._eval_tasks()
+                last_time = time.perf_counter()
+                stop = stop or (self.stop_voted and not done)
             for hook in self.hooks:
                 hook.on_step_end(self, self.step)
             if stop:
@@ -392,8 +422,12 @@ class Trainer:
         return row
 
     def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
+        """The prompt and up to n_tokens sampled after it (hybridpar.inference.generate, the KV-cache generator of
+        launch/generate.py), on this run's layout."""
         tok = self.tokenizer
+        pad = self.tp if self.cfg.parallel.sequence_parallel else 1  # every call's length divides by tp
         with self._eager():
-            ids = generate(self.model, tok.encode(prompt), n_tokens, self.cfg.train.seq_len, temperature,
-                           self.device, seed=self.cfg.train.seed, pad_multiple=self.tp)
-        return tok.decode(ids)
+            out = generate(self.model, [tok.encode(prompt) or [tok.eod_id]],
+                           Sampling(n_tokens, temperature, seed=self.cfg.train.seed), self.device, tok.eod_id,
+                           vocab_limit=tok.vocab_size, pad_multiple=pad, autocast=self.autocast)
+        return prompt + tok.decode(out.tokens[0])

@@ -10,6 +10,7 @@ Notation: B batch, T sequence, H d_model, V vocab, nh query heads, nkv key/value
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,15 @@ from torch import nn
 
 from .config import ModelConfig
 from .init import keyed_normal_
+from .kv_cache import KVCache, LayerCache
+
+
+class Where(NamedTuple):
+    """What attention needs besides its input: the rotary angles of the tokens' positions ((B or 1, T, hd/2) each;
+    None with learned positions) and, when decoding, this layer's KV cache and the call's mask."""
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+    kv: LayerCache | None = None
+    mask: torch.Tensor | None = None  # (B, 1, T, slots) bool
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
@@ -34,9 +44,10 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, n, hd) by the angles of their position."""
+    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, n, hd) by the angles of their positions, cos and sin (B or 1, T,
+    hd/2)."""
     x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (B, T, n, hd/2)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, T, n, hd/2, 2)
     return out.flatten(-2).type_as(x)
 
@@ -97,18 +108,18 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, where: Where) -> torch.Tensor:
         q = rearrange(self.wq(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nh, hd)
         k = rearrange(self.wk(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nkv, hd)
         v = rearrange(self.wv(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nkv, hd)
-        if rope is not None:
-            T = q.shape[1]
-            cos, sin = rope[0][:T], rope[1][:T]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if where.rope is not None:
+            q, k = apply_rope(q, *where.rope), apply_rope(k, *where.rope)
         q, k, v = (rearrange(t, "b t n d -> b n t d") for t in (q, k, v))  # (B, n, T, hd)
+        if where.kv is not None:  # decoding: this call's keys and values join the cached ones
+            k, v = where.kv.update(k, v)  # (B, nkv, slots, hd)
         y = F.scaled_dot_product_attention(  # causal softmax(QK^T / sqrt(hd)) V, fused where the device has it
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
+            q, k, v, attn_mask=where.mask, is_causal=where.mask is None,
+            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
         return self.wo(rearrange(y, "b n t d -> b t (n d)"))  # (B, T, H)
 
 
@@ -138,8 +149,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, where: Where) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), where))
         return x + self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -212,20 +223,37 @@ class GPT(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
+    def new_cache(self, batch: int, length: int) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `length` slots (forward(..., cache=))."""
+        return KVCache(len(self.layers), batch, length, self.cfg.max_seq_len, self.tok_embeddings.weight.device)
+
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 4096) -> torch.Tensor:
+                loss_chunk_tokens: int = 4096, cache: KVCache | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) int64 -> logits (B, T, V); with targets (B, T): the summed token cross entropy instead,
-        computed by linear_cross_entropy in chunks of loss_chunk_tokens (targets of -100 count zero)."""
+        computed by linear_cross_entropy in chunks of loss_chunk_tokens (targets of -100 count zero). With a
+        cache: the tokens continue the cached ones (models/kv_cache.py), valid (B, T) bool marking the real ones
+        (default all)."""
         T = input_ids.shape[1]
-        if T > self.cfg.max_seq_len:
+        if cache is None and T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if cache is None:
+            positions = torch.arange(T, device=input_ids.device)  # (T,): the same for every sequence
+        else:
+            valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid
+            positions = cache.begin(valid)  # (B, T)
         h = self.tok_embeddings(input_ids)  # (B, T, H)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(T, device=input_ids.device))
+            h = h + self.pos_embeddings(positions)
         h = self.drop(h)
-        rope = (self.rope_cos, self.rope_sin) if self.cfg.position == "rope" else None
-        for layer in self.layers:
-            h = layer(h, rope)
+        rope = None
+        if self.cfg.position == "rope":
+            rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T, hd/2) or (B, T, hd/2)
+            rope = rope if cache is not None else (rope[0][None], rope[1][None])  # (B or 1, T, hd/2)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, Where(rope, cache.layers[i], cache.mask) if cache is not None else Where(rope))
+        if cache is not None:
+            cache.end(valid)
         h = self.norm(h)
         if targets is not None:
             return linear_cross_entropy(h, self.lm_head.weight, targets, loss_chunk_tokens)

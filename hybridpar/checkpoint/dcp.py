@@ -345,6 +345,15 @@ def load_full_model_state(path: Path, names: list[str] | None = None) -> dict[st
     return state["model"]
 
 
+def load_model_weights(model: nn.Module, path: Path) -> None:
+    """Only the model weights of checkpoint `path` into `model` of any layout (each rank reads its shards)."""
+    metadata = read_metadata(path)
+    state = {"model": get_model_state_dict(model)}
+    _check_shapes(path, metadata.state_dict_metadata, state["model"])
+    _safe_load(state, path, SafeLoadPlanner(), metadata)
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+
+
 def read_trainer_state(path: Path, with_data_key: bool = False) -> dict[str, int]:
     """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped (and skip_streak); with
     with_data_key also the data settings' key (resume_checks.data_key) where the checkpoint has one."""

@@ -100,6 +100,13 @@ class TrainConfig:
                                     "many in a row stop the run")
     eval_interval: int = doc(50, "run validation every this many steps (and at the first and last step); 0 = never")
     eval_batches: int = doc(8, "microbatches of the validation split per evaluation")
+    eval_tasks: Optional[list[str]] = doc(
+        None, "downstream tasks scored during training: task files (.jsonl, .txt; docs/evaluation.md) or "
+        "builtin:next-words (comma-separated on the command line); None = builtin:next-words on the built-in corpus "
+        "when validation runs (train.eval_interval > 0), else none")
+    eval_tasks_interval: int = doc(100, "score train.eval_tasks every this many steps, and at the first and last "
+                                        "step; 0 = at the first and last step only")
+    eval_tasks_batch_size: int = doc(16, "sequences per forward when scoring tasks (the same batches on every layout)")
     sample_tokens: int = doc(120, "tokens to sample at the end of the run; 0 = no sample")
     sample_prompt: str = doc("The ", "prompt of the end-of-run sample")
     sample_temperature: float = doc(0.8, "sampling temperature; 0 = greedy")
@@ -116,13 +123,16 @@ class TrainConfig:
             raise ValueError(f"train.steps={self.steps} must be >= 0 (0 = start up, save a seed checkpoint with "
                              f"checkpoint.interval > 0, and stop)")
         _positive("train", micro_batch_size=self.micro_batch_size, ac_every=self.ac_every,
-                  global_batch_size=self.global_batch_size, seq_len=self.seq_len, eval_batches=self.eval_batches)
+                  global_batch_size=self.global_batch_size, seq_len=self.seq_len, eval_batches=self.eval_batches,
+                  eval_tasks_batch_size=self.eval_tasks_batch_size)
         if not 0 <= self.seed < 2**32:  # numpy's and megatron-core's seed range
             raise ValueError(f"train.seed={self.seed} must be in [0, 2**32)")
         if self.precision not in (None, "fp32", "bf16"):
             raise ValueError(f"train.precision={self.precision!r}: use fp32 or bf16")
-        if self.grad_clip < 0 or self.eval_interval < 0 or self.sample_tokens < 0 or self.sample_temperature < 0:
-            raise ValueError("train.grad_clip, eval_interval, sample_tokens and sample_temperature must be >= 0")
+        if self.grad_clip < 0 or self.eval_interval < 0 or self.sample_tokens < 0 or self.sample_temperature < 0 \
+                or self.eval_tasks_interval < 0:
+            raise ValueError("train.grad_clip, eval_interval, eval_tasks_interval, sample_tokens and "
+                             "sample_temperature must be >= 0")
 
 
 @dataclass(frozen=True)

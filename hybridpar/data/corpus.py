@@ -60,7 +60,7 @@ def load_builtin_corpus(cache_dir: Path) -> tuple[list[str], str]:
         docs = json.loads(path.read_text(encoding="utf-8"))
     else:
         docs = build_documents()
-        _atomic_write(path, json.dumps(docs))
+        atomic_write(path, json.dumps(docs))
     return docs, sha256_docs(docs)
 
 
@@ -72,7 +72,7 @@ def sha256_docs(docs: list[str]) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     """Write via a temporary file and rename, so a concurrent reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -42,8 +42,9 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict, dict]:
         "lm_head": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
     if model.pos_embeddings is not None and sequence_parallel:
-        # Learned positions: every rank holds the whole (small) table and keeps the rows of its sequence shard.
-        top["pos_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))
+        # Learned positions: every rank holds the whole (small) table and keeps the rows of its sequence shard (the
+        # sequence dim is -2 of the (T, H) lookup of training and of the (B, T, H) one of decoding with a cache).
+        top["pos_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(-2))
     block = {
         "attn_norm": norm,
         "attn": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)),

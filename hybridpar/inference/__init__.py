@@ -1,0 +1,2 @@
+"""Using a trained model: generation with a KV cache (generate.py), a model of any layout loaded from any checkpoint
+hybridpar reads (load.py), downstream evaluation tasks (tasks.py) and their evaluator (evaluate.py)."""
