@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from hybridpar.models.gpt import Where
 from hybridpar.models import build_model, get_model_config
 
 NOT_KERNELS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::view", "aten::_unsafe_view",
@@ -28,7 +29,8 @@ def kernels_per_block(preset: str) -> int:
                            **({"n_kv_heads": 2} if get_model_config(preset).kv_heads != get_model_config(preset).n_heads
                               else {}))
     model = build_model(cfg, "cpu")
-    block, rope = model.layers[0], (model.rope_cos, model.rope_sin) if cfg.position == "rope" else None
+    rope = (model.rope_cos[None, :64], model.rope_sin[None, :64]) if cfg.position == "rope" else None
+    block, rope = model.layers[0], Where(rope)
     x = torch.randn(2, 64, cfg.d_model, requires_grad=True)
     block(x, rope).sum().backward()  # warm-up: lazy initialisations out of the count
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -247,9 +247,10 @@ class GPT(nn.Module):
             h = h + self.pos_embeddings(positions)
         h = self.drop(h)
         rope = None
-        if self.cfg.position == "rope":
-            rope = (self.rope_cos[positions], self.rope_sin[positions])  # (T, hd/2) or (B, T, hd/2)
-            rope = rope if cache is not None else (rope[0][None], rope[1][None])  # (B or 1, T, hd/2)
+        if self.cfg.position == "rope" and cache is None:
+            rope = (self.rope_cos[None, :T], self.rope_sin[None, :T])  # (1, T, hd/2): views of the tables
+        elif self.cfg.position == "rope":
+            rope = (self.rope_cos[positions], self.rope_sin[positions])  # (B, T, hd/2)
         for i, layer in enumerate(self.layers):
             h = layer(h, Where(rope, cache.layers[i], cache.mask) if cache is not None else Where(rope))
         if cache is not None:

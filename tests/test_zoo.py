@@ -83,13 +83,13 @@ def test_forward_shape_and_causality(overrides):
 
 def test_attention_matches_explicit_gqa_rope_reference():
     """SDPA with enable_gqa and our RoPE against a hand-written softmax(QK^T/sqrt(d))V with repeated kv heads."""
-    from hybridpar.models.gpt import apply_rope
+    from hybridpar.models.gpt import Where, apply_rope
 
     torch.manual_seed(0)
     cfg = get_model_config("tiny", position="rope", n_kv_heads=2, bias=False, tie_embeddings=False)
     m = build_model(cfg, device="cpu")
     attn, x = m.layers[0].attn, torch.randn(2, 12, 128)
-    rope = (m.rope_cos, m.rope_sin)
+    rope = Where((m.rope_cos[None, :12], m.rope_sin[None, :12]))
     B, T, nh, hd = 2, 12, 4, 32
     q = attn.wq(x).view(B, T, nh, hd)
     k = attn.wk(x).view(B, T, 2, hd)
@@ -101,7 +101,7 @@ def test_attention_matches_explicit_gqa_rope_reference():
     def ref_rope(t):
         c = torch.view_as_complex(t.float().reshape(*t.shape[:-1], hd // 2, 2)) * rot
         return torch.view_as_real(c).flatten(-2)
-    torch.testing.assert_close(apply_rope(q, m.rope_cos[:T], m.rope_sin[:T]), ref_rope(q))
+    torch.testing.assert_close(apply_rope(q, m.rope_cos[None, :T], m.rope_sin[None, :T]), ref_rope(q))
     q, k = ref_rope(q), ref_rope(k)
     k, v = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)

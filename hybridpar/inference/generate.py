@@ -56,10 +56,8 @@ class Generated:
         return self.new_tokens / max(self.prefill_seconds + self.decode_seconds, 1e-9)
 
 
-def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
-    """The next token of each row of logits (B, V) float32 on the CPU."""
-    if s.temperature == 0:
-        return logits.argmax(-1)
+def filtered_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits (B, V) / temperature, with -inf outside the top_k tokens and outside the top_p nucleus."""
     logits = logits / s.temperature
     if s.top_k and s.top_k < logits.shape[-1]:
         kth = logits.topk(s.top_k, dim=-1).values[:, -1:]  # (B, 1)
@@ -70,7 +68,14 @@ def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tenso
         before = probs.cumsum(-1) - probs  # probability of the tokens ranked above each one
         drop = before >= s.top_p  # the first token is always kept (before = 0)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(1)
+    return logits
+
+
+def pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator) -> torch.Tensor:
+    """The next token of each row of logits (B, V) float32 on the CPU."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    return torch.multinomial(filtered_logits(logits, s).softmax(-1), 1, generator=gen).squeeze(1)
 
 
 def _last_logits(logits, columns: torch.Tensor) -> torch.Tensor:

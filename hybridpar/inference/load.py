@@ -70,9 +70,17 @@ def inference_config(src: Source, cfg):
     activations for backward here)."""
     from dataclasses import replace
 
-    from hybridpar.config.cli import config_from_dict
+    from hybridpar.models import MODEL_FIELDS, ModelConfig
 
-    model = replace(config_from_dict({"model": src.saved["model"]}).model, vocab_from_tokenizer=False)
+    fields = src.saved.get("model")
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{src.path}/config.yaml has no model section; restore the run's config.yaml")
+    try:
+        model = ModelConfig(**{k: v for k, v in fields.items() if k in MODEL_FIELDS and k != "vocab_from_tokenizer"},
+                            vocab_from_tokenizer=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{src.path}/config.yaml: its model section is not valid ({e}); restore the run's "
+                              f"config.yaml") from None
     seq_len = min(int((src.saved.get("train") or {}).get("seq_len", model.max_seq_len)), model.max_seq_len)
     cfg = replace(cfg, model=model, train=replace(cfg.train, seq_len=seq_len, memory_check=False))
     if src.kind == "dcp":

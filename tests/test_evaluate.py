@@ -1,0 +1,290 @@
+"""Downstream evaluation: task files and their errors, the Scorer against a direct computation and lm-eval's own
+rolling windows, the same tokens and numbers from one process and from every 2-rank layout (real gloo ranks), the
+lm-evaluation-harness model type against hybridpar's evaluator, and the launcher."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run_cli
+from hybridpar.config.cli import load_config
+from hybridpar.errors import ConfigError
+from hybridpar.inference.evaluate import Scorer, run_task, vocab_parallel_logprobs
+from hybridpar.inference.generate import Sampling, generate
+from hybridpar.inference.tasks import read_task
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+WORDS = "the a of to in is that for it as with was on be by this are or from at an which not have but".split()
+
+
+def write_tasks(d) -> dict:
+    """A multiple-choice, a cloze and a perplexity task of byte-tokenizer text (the longest document spans several
+    32-token windows), as JSONL files in d."""
+    rng = random.Random(0)
+    sentence = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))
+    mc = [{"context": sentence(rng.randint(2, 6)), "choices": [" " + sentence(rng.randint(1, 3)) for _ in range(3)],
+           "label": rng.randrange(3)} for _ in range(12)]
+    cloze = [{"context": sentence(rng.randint(3, 8)), "target": " " + rng.choice(WORDS)} for _ in range(8)]
+    text = [{"text": sentence(40)}, {"text": sentence(5)}]
+    paths = {}
+    for name, rows in (("mc", mc), ("cloze", cloze), ("text", text)):
+        paths[name] = d / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths
+
+
+def test_task_files_and_their_one_line_errors(tmp_path):
+    paths = write_tasks(tmp_path)
+    assert [read_task(p).kind for p in paths.values()] == ["multiple_choice", "cloze", "perplexity"]
+    (tmp_path / "doc.txt").write_text("one document\n")
+    assert read_task(tmp_path / "doc.txt").examples == ({"text": "one document\n"},)
+    cases = [("missing.jsonl", None, "does not exist"),
+             ("bad.jsonl", '{"context": "a", "target": " b"}\n{"context": \n', "bad.jsonl:2: not a JSON object"),
+             ("mixed.jsonl", '{"context": "a", "target": " b"}\n{"text": "t"}\n',
+              "mixed.jsonl:2: a perplexity line in a cloze task"),
+             ("label.jsonl", '{"context": "a", "choices": [" b", " c"], "label": 2}\n', "label 2 must be an index"),
+             ("kind.jsonl", '{"question": "a"}\n', "a task line needs context + choices + label"),
+             ("empty.jsonl", "\n\n", "holds no examples"),
+             ("list.jsonl", "[1, 2]\n", "list.jsonl:1: not a JSON object")]
+    for name, text, message in cases:
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            read_task(tmp_path / name)
+
+
+def _model_and_scorer(max_len=16, batch_size=3):
+    from hybridpar.data.tokenizer import ByteTokenizer
+    from hybridpar.models import build_model, get_model_config
+    from hybridpar.parallel.distributed import init_mesh
+
+    torch.manual_seed(0)
+    model = build_model(get_model_config("tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64),
+                        device="cpu").eval()
+    mesh = init_mesh((1, 1, 1), torch.device("cpu"))
+    return model, Scorer(model, mesh, torch.device("cpu"), ByteTokenizer(), max_len, batch_size)
+
+
+def test_scorer_equals_a_direct_computation_and_lm_evals_rolling_windows():
+    """Each request's log-likelihood is the sum of log_softmax(model(whole sequence)) at the continuation's tokens,
+    computed here one request at a time without padding; the greedy flag is argmax == target at every one. A
+    context longer than the window is cut from the left. Rolling windows score what lm-eval's own
+    get_rolling_token_windows + make_disjoint_window would ask for, token for token."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, scorer = _model_and_scorer()
+        rng = random.Random(1)
+        pairs = [([rng.randrange(1, 256) for _ in range(rng.randint(1, 30))],
+                  [rng.randrange(1, 256) for _ in range(rng.randint(1, 8))]) for _ in range(10)]
+        model_greedy = model(torch.tensor([[5, 6, 7]]))[0].argmax(-1).tolist()
+        pairs.append(([5, 6, 7], model_greedy[2:3]))  # a continuation that is the greedy token
+        got = scorer.loglikelihood(pairs)
+        with torch.no_grad():
+            for (ctx, cont), (ll, greedy) in zip(pairs, got):
+                seq = (ctx + cont)[-17:]
+                logp = model(torch.tensor([seq[:-1]]))[0].log_softmax(-1)
+                rows = logp[-len(cont):]
+                want = float(rows[torch.arange(len(cont)), torch.tensor(cont)].sum())
+                assert abs(ll - want) < 1e-5 * max(1.0, abs(want)), (ll, want)
+                assert greedy == (rows.argmax(-1).tolist() == cont)
+        assert got[-1][1] is True
+
+        doc = [rng.randrange(1, 256) for _ in range(50)]  # 50 tokens in windows of 16
+        ours = scorer.rolling_pairs(doc)
+        theirs = [make_disjoint_window(w) for w in get_rolling_token_windows(doc, 0, 16, 1)]
+        assert [((c + t)[-17:], t) for c, t in ours] == [((c + t)[-17:], t) for c, t in theirs]
+        assert sum(len(t) for _, t in ours) == 50
+    finally:
+        dist.destroy_process_group()
+
+
+def test_task_metrics_equal_a_hand_computation(tmp_path):
+    """acc (argmax log-likelihood), acc_norm (divided by the choice's characters), cloze acc (all greedy) and ppl
+    (exp of minus the mean log-likelihood), and the perplexities of a document from its rolling log-likelihood,
+    each recomputed here from the Scorer's per-request numbers (which the test above checks)."""
+    paths = write_tasks(tmp_path)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _, scorer = _model_and_scorer(max_len=32)
+        mc, cloze, text = (read_task(p) for p in paths.values())
+        m = run_task(mc, scorer)
+        acc = acc_norm = 0
+        for e in mc.examples:
+            lls = [ll for ll, _ in scorer.loglikelihood([scorer.encode_pair(e["context"], c) for c in e["choices"]])]
+            acc += max(range(3), key=lambda i: lls[i]) == e["label"]
+            acc_norm += max(range(3), key=lambda i: lls[i] / len(e["choices"][i])) == e["label"]
+        assert (m["acc"], m["acc_norm"], m["examples"]) == (acc / 12, acc_norm / 12, 12)
+        assert abs(m["chance"] - 1 / 3) < 1e-12
+        c = run_task(cloze, scorer)
+        res = scorer.loglikelihood([scorer.encode_pair(e["context"], e["target"]) for e in cloze.examples])
+        assert c["acc"] == sum(g for _, g in res) / 8
+        assert abs(c["ppl"] - math.exp(-sum(v for v, _ in res) / 8)) < 1e-9 * c["ppl"]
+        p = run_task(text, scorer)
+        docs = [e["text"] for e in text.examples]
+        total = sum(v for d in docs for v, _ in scorer.loglikelihood(scorer.rolling_pairs(list(d.encode()))))
+        n_bytes, words = sum(len(d.encode()) for d in docs), sum(len(d.split()) for d in docs)
+        assert abs(p["bits_per_byte"] - (-total / n_bytes / math.log(2))) < 1e-9
+        assert abs(math.log(p["word_perplexity"]) - (-total / words)) < 1e-9
+        assert abs(math.log(p["token_perplexity"]) - (-total / n_bytes)) < 1e-9  # bytes are the tokens here
+    finally:
+        dist.destroy_process_group()
+
+
+def test_vocab_parallel_logprobs_equal_log_softmax():
+    """The hand-written log-softmax (max, sum of exponentials, picked logit) of one rank against torch's."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11) * 4
+    targets = torch.randint(0, 11, (2, 5))
+    targets[0, 0] = -1
+    logprob, greedy = vocab_parallel_logprobs(logits, targets)
+    want = logits.log_softmax(-1).gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
+    want[0, 0] = 0
+    torch.testing.assert_close(logprob, want)
+    assert greedy.tolist() == ((logits.argmax(-1) == targets) & (targets >= 0)).tolist()
+
+
+# -- every layout of 2 ranks gives one process's tokens and numbers ---------------------------------------------
+LAYOUTS = {"tp": ["--parallel.tp", "2"], "tp+sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+           "fsdp": ["--parallel.dp_shard", "2"], "replicate": ["--parallel.dp_replicate", "2", "--parallel.dp_shard",
+                                                               "1"]}
+PROMPTS = [[72, 101, 108, 108, 111], [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98], [65]]
+
+
+def _everything(ckpt: str, argv: list[str], tasks: dict) -> dict:
+    """Greedy and sampled tokens of PROMPTS and every task's metrics, on this world's layout."""
+    from hybridpar.inference.load import load_for_inference
+
+    loaded = load_for_inference(ckpt, load_config(argv), "bytes")
+    run = loaded.run
+    pad = run.layout.tp if run.cfg.parallel.sequence_parallel else 1
+    out = {}
+    for name, s in (("greedy", Sampling(max_new_tokens=16, stop_at_eod=False)),
+                    ("sampled", Sampling(max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=3))):
+        out[name] = generate(loaded.model, PROMPTS, s, run.device, 0, pad_multiple=pad).tokens
+    scorer = Scorer(loaded.model, loaded.mesh, run.device, loaded.tokenizer, run.cfg.train.seq_len, 4,
+                    pad_multiple=pad)
+    for name, path in tasks.items():
+        out[name] = {k: v for k, v in run_task(read_task(path), scorer).items() if k != "seconds"}
+    return out
+
+
+def _layout_worker(rank: int, init_file: str, ckpts: dict, tasks: dict, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        for family, ckpt in ckpts.items():
+            for layout, argv in LAYOUTS.items():
+                results[rank, family, layout] = _everything(ckpt, argv, tasks)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_every_layout_generates_the_same_tokens_and_scores_the_same_numbers(tmp_path):
+    """GPT-2 family (learned positions) and modern family (RoPE, GQA, SwiGLU) checkpoints, on 2 gloo ranks as tp 2,
+    tp 2 with sequence parallelism, FSDP over 2 and replicated over 2, against one process: the same greedy and
+    seeded-sampled tokens, the same accuracies, and log-likelihood metrics equal to 1e-5 (other reduction orders)."""
+    import torch.multiprocessing as mp
+
+    from test_convert import _checkpoint
+    from hybridpar.parallel.distributed import shutdown
+
+    tasks = {k: str(v) for k, v in write_tasks(tmp_path).items()}
+    ckpts = {}
+    for family in ("gpt2", "llama"):
+        (tmp_path / family).mkdir()
+        ckpts[family] = str(_checkpoint(tmp_path / family, family, max_seq_len=64)[1])
+    reference = {}
+    for family, ckpt in ckpts.items():
+        try:
+            reference[family] = _everything(ckpt, [], tasks)
+        finally:
+            shutdown()
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(_layout_worker, args=(str(tmp_path / "init"), ckpts, tasks, results), nprocs=2, join=True)
+    for family, want in reference.items():
+        assert len({t for seq in want["greedy"] for t in seq}) > 8  # not a degenerate repetition
+        for layout in LAYOUTS:
+            for rank in range(2):
+                got = results[rank, family, layout]
+                where = (family, layout, rank)
+                assert got["greedy"] == want["greedy"] and got["sampled"] == want["sampled"], where
+                assert got["mc"]["acc"] == want["mc"]["acc"] and got["mc"]["acc_norm"] == want["mc"]["acc_norm"], where
+                assert got["cloze"]["acc"] == want["cloze"]["acc"], where
+                for task, metric in (("cloze", "ppl"), ("text", "bits_per_byte"), ("text", "word_perplexity")):
+                    assert abs(got[task][metric] - want[task][metric]) <= 1e-5 * abs(want[task][metric]), where
+
+
+# -- lm-evaluation-harness --------------------------------------------------------------------------------------
+HARNESS_TASKS = {
+    "mc": "output_type: multiple_choice\ndoc_to_text: context\ndoc_to_choice: choices\ndoc_to_target: label\n"
+          "target_delimiter: ''\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n",
+    "cloze": "output_type: loglikelihood\ndoc_to_text: context\ndoc_to_target: target\ntarget_delimiter: ''\n"
+             "metric_list:\n  - metric: perplexity\n  - metric: acc\n",
+    "text": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: text\nmetric_list:\n"
+            "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n",
+}
+
+
+@pytest.mark.multiprocess
+def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
+    """`launch/harness.py --model hybridpar` (lm-eval's own command line, tasks defined from local JSONL files,
+    offline) against launch/evaluate.py on the same files and checkpoint: equal accuracies, and log-likelihood
+    metrics equal to 1e-6 (the harness orders the requests its own way, so batches differ)."""
+    from test_convert import _checkpoint
+
+    paths = write_tasks(tmp_path)
+    _, ckpt = _checkpoint(tmp_path, "llama", max_seq_len=64)
+    include = tmp_path / "harness_tasks"
+    include.mkdir()
+    for name, body in HARNESS_TASKS.items():
+        (include / f"{name}.yaml").write_text(f"task: local_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                              f"    test: {paths[name]}\ntest_split: test\n{body}")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    out = run_cli(["launch/harness.py", "--model", "hybridpar", "--model_args", f"checkpoint={ckpt},tokenizer=bytes",
+                   "--include_path", str(include), "--tasks", "local_mc,local_cloze,local_text", "--batch_size", "4",
+                   "--output_path", str(tmp_path / "harness_out")], env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [result_file] = list((tmp_path / "harness_out").rglob("results_*.json"))
+    harness = json.loads(result_file.read_text())["results"]
+    ours_out = run_cli(["launch/evaluate.py", str(ckpt), "--tokenizer", "bytes", "--batch-size", "4", "--tasks",
+                        *map(str, paths.values()), "--json", str(tmp_path / "ours.json")])
+    assert ours_out.returncode == 0, ours_out.stderr
+    ours = json.loads((tmp_path / "ours.json").read_text())["tasks"]
+    close = lambda a, b: abs(a - b) <= 1e-6 * max(1.0, abs(b))
+    assert harness["local_mc"]["acc,none"] == ours["mc"]["acc"]
+    assert harness["local_mc"]["acc_norm,none"] == ours["mc"]["acc_norm"]
+    assert harness["local_cloze"]["acc,none"] == ours["cloze"]["acc"]
+    assert close(harness["local_cloze"]["perplexity,none"], ours["cloze"]["ppl"])
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert close(harness["local_text"][f"{metric},none"], ours["text"][metric]), metric
+
+
+@pytest.mark.multiprocess
+def test_evaluate_launcher_refuses_bad_input_with_one_line(tmp_path):
+    from test_convert import _checkpoint
+
+    paths = write_tasks(tmp_path)
+    _, ckpt = _checkpoint(tmp_path, "gpt2", max_seq_len=64)
+    (tmp_path / "broken.jsonl").write_text('{"context": "a", "choices": [" b"], "label": 0}\n')
+    base = ["launch/evaluate.py", str(ckpt), "--tokenizer", "bytes"]
+    for args, message in [(base + ["--tasks", str(tmp_path / "nope.jsonl")], "does not exist"),
+                          (base + ["--tasks", str(tmp_path / "broken.jsonl")], "broken.jsonl:1: context must be text and "
+                                                                               "choices a list of two or more"),
+                          (base, "give --tasks"),
+                          (base + ["--tasks", str(paths["mc"]), "--max-len", "100"], "exceeds the model's context"),
+                          (base + ["--tasks", str(paths["mc"]), "--parallel.tp", "2"], "world")]:
+        out = run_cli(args)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
