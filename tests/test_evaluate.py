@@ -214,7 +214,9 @@ def test_every_layout_generates_the_same_tokens_and_scores_the_same_numbers(tmp_
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_layout_worker, args=(str(tmp_path / "init"), ckpts, tasks, results), nprocs=2, join=True)
     for family, want in reference.items():
-        assert len({t for seq in want["greedy"] for t in seq}) > 8  # not a degenerate repetition
+        # not a degenerate repetition (a random model: greedy repeats some tokens, sampling spreads)
+        assert len({t for seq in want["greedy"] for t in seq}) >= 5 and len({t for seq in want["sampled"]
+                                                                              for t in seq}) > 20
         for layout in LAYOUTS:
             for rank in range(2):
                 got = results[rank, family, layout]

@@ -28,10 +28,19 @@ from hybridpar.inference.load import load_for_inference
 class HybridparLM(LM):
     def __init__(self, checkpoint: str, batch_size: int | str = 16, max_length: int | None = None,
                  tokenizer: str | None = None, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1,
-                 sequence_parallel: bool = False, precision: str | None = None, device: str = "auto", **_ignored):
+                 sequence_parallel: bool = False, precision: str | None = None, device: str | None = "auto",
+                 **_ignored):
         """checkpoint: a run dir, checkpoint dir or export; max_length: the scoring window (default the
         checkpoint's train.seq_len); the layout and numerics as the training config names them."""
         super().__init__()
+        device = str(device or "auto")
+        if device.startswith("cuda"):  # lm-eval's --device (default cuda:0); a rank takes its local GPU anyway
+            import torch
+
+            if not torch.cuda.is_available():
+                print(f"note: lm-eval's device {device}, but no CUDA device is visible: running on the CPU",
+                      flush=True)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         argv = ["--parallel.dp_replicate", str(dp_replicate), "--parallel.dp_shard", str(dp_shard),
                 "--parallel.tp", str(tp), "--parallel.sequence_parallel", str(sequence_parallel).lower(),
                 "--train.device", device] + (["--train.precision", precision] if precision else [])
