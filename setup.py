@@ -30,7 +30,8 @@ setup(
     ],
     extras_require={
         # wandb 0.31: tests/wandb_file.py reads that version's run files; transformers: HF round trips; matplotlib: plot_metrics; tensorboard: the TensorBoard writer;
-        # psutil: megatron-core's dist_checkpointing.save, which writes the reference saves of tests/test_megatron.py
+        # psutil: megatron-core's dist_checkpointing.save, which writes the reference saves of tests/test_megatron.py;
+        # lm-eval: the harness's hybridpar model type, tested against hybridpar's evaluator (tests/test_evaluate.py)
         "test": ["pytest>=7", "wandb==0.31.*", "pytest-timeout", "transformers", "matplotlib", "tensorboard", "psutil",
                  "lm-eval==0.4.13"],
         "hf": ["transformers"],  # launch/convert_checkpoint.py to-hf / from-hf

@@ -19,6 +19,14 @@ from hybridpar.models.config import doc, doc_required
 
 PANELS = [("loss", "train loss"), ("val_loss", "validation loss"), ("lr", "learning rate"),
           ("tokens_per_sec", "tokens/s (global)"), ("mfu", "MFU")]
+NOT_PLOTTED = ("examples", "seconds", "chance")  # of a task's metrics (eval/<task>/<metric>)
+
+
+def task_panels(runs: dict[str, list[dict]]) -> list[tuple[str, str]]:
+    """A panel per downstream-task metric the runs logged (eval/<task>/<metric>, e.g. eval/next-words/acc_norm)."""
+    keys = sorted({k for rows in runs.values() for r in rows for k in r
+                   if k.startswith("eval/") and k.rsplit("/", 1)[-1] not in NOT_PLOTTED})
+    return [(k, k.removeprefix("eval/").replace("/", " ")) for k in keys]
 
 
 IMAGE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
@@ -42,7 +50,8 @@ def read_rows(run_dir: Path) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             row = None
-        numbers = [row.get(k) for k, _ in PANELS + [("consumed_tokens", "")]] if isinstance(row, dict) else []
+        numbers = ([v for k, v in row.items() if k.startswith("eval/")] + [row.get(k) for k, _ in PANELS +
+                   [("consumed_tokens", "")]]) if isinstance(row, dict) else []
         if not isinstance(row, dict) or type(row.get("step")) is not int or not all(
                 v is None or type(v) in (int, float) for v in numbers):
             print(f"warning: {path}:{n} is not a metrics row (torn or damaged line: a step or value that is not a "
@@ -62,8 +71,9 @@ def plot(run_dirs: list[Path], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = {str(d): read_rows(d) for d in run_dirs}  # every run read before anything is written
-    fig, axes = plt.subplots(len(PANELS), 2, figsize=(12, 3 * len(PANELS)), squeeze=False)
-    for row, (key, title) in enumerate(PANELS):
+    panels = PANELS + task_panels(runs)
+    fig, axes = plt.subplots(len(panels), 2, figsize=(12, 3 * len(panels)), squeeze=False)
+    for row, (key, title) in enumerate(panels):
         for col, xkey in enumerate(("step", "consumed_tokens")):
             ax = axes[row][col]
             for name, rows in runs.items():
@@ -72,7 +82,8 @@ def plot(run_dirs: list[Path], out: Path) -> None:
                 pts = [(r["step"] if xkey == "step" else r["step"] * (tokens_per_step or 0), r[key])
                        for r in rows if key in r and r[key] is not None]
                 if pts:
-                    ax.plot(*zip(*pts), label=Path(name).name, marker="." if key == "val_loss" else None)
+                    ax.plot(*zip(*pts), label=Path(name).name,
+                            marker="." if key == "val_loss" or key.startswith("eval/") else None)
             if not ax.lines:
                 ax.text(0.5, 0.5, "not recorded (e.g. MFU on a device without a known peak)", ha="center",
                         va="center", transform=ax.transAxes, color="gray")

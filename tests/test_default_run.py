@@ -24,6 +24,13 @@ def test_default_run_learns_and_writes_its_files(tmp_path, cache_dir):
     baseline = float(out.stdout.split("unigram baseline ")[1].split()[0])
     assert val[0]["val_loss"] > baseline  # an untrained model is worse than unigram statistics
     assert "sample (temperature 0.8):" in out.stdout and "step 40/40" in out.stdout
+    # The built-in downstream task, at the first and last step (docs/evaluation.md): four choices, 400 examples.
+    tasks = [r for r in rows if "eval/next-words/acc" in r]
+    assert [r["step"] for r in tasks] == [0, 40]
+    for r in tasks:
+        assert r["eval/next-words/examples"] == 400 and r["eval/next-words/chance"] == 0.25
+        assert 0 <= r["eval/next-words/acc"] <= 1 and 0 <= r["eval/next-words/acc_norm"] <= 1
+    assert "eval step 40 | next-words acc" in out.stdout
     assert (run_dir / "tokenizer.json").is_file()
 
     # The resolved config reproduces the run exactly (same seed, same data order, same losses).

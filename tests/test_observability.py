@@ -48,6 +48,7 @@ def test_offline_wandb_history_equals_metrics_jsonl(offline_run):
         expected.setdefault(row["step"], {}).update({k: v for k, v in row.items() if k not in ("step", "batch_crc32")})
     assert sorted(logged) == sorted(expected) == [0, 2, 3, 4, 6]
     assert not any("batch_crc32" in values for values in logged.values())
+    assert {"eval/next-words/acc", "eval/next-words/acc_norm"} <= set(logged[0]) & set(logged[6])  # tasks
     for step, values in expected.items():
         for key, value in values.items():
             assert logged[step][key] == pytest.approx(value, rel=1e-12), (step, key)
