@@ -96,7 +96,7 @@ def check_attention(overrides: list[str]) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from hybridpar.models import build_model
-    from hybridpar.models.gpt import rope_tables
+    from hybridpar.models.gpt import Where, rope_tables
 
     cfg = load_config(overrides + ["--model.n_layers", "1"])
     m = cfg.model
@@ -112,8 +112,8 @@ def check_attention(overrides: list[str]) -> dict:
     for dtype in (torch.float32, torch.bfloat16):
         b = block.to(dtype)
         x = torch.randn(2, seq, m.d_model, device=device, dtype=dtype, requires_grad=True)
-        rope = (tuple(t.to(dtype) for t in rope_tables(m.head_dim, seq, m.rope_theta, device))
-                if m.position == "rope" else None)
+        rope = Where(tuple(t.to(dtype)[None] for t in rope_tables(m.head_dim, seq, m.rope_theta, device))
+                     if m.position == "rope" else None)  # (1, T, hd/2) each, as GPT.forward passes them
         try:
             with sdpa_kernel(fused):
                 b(x, rope).float().square().mean().backward()

@@ -11,9 +11,14 @@ sequence_parallel, precision, device (hybridpar/interop/lm_eval.py). Needs the e
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 
 def main() -> int:
+    # Python put launch/ first on sys.path, and launch/evaluate.py would shadow Hugging Face's `evaluate` package,
+    # which lm-eval imports for some metrics: this command needs nothing from launch/.
+    here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if str(Path(p or ".").resolve()) != here]
     try:
         import lm_eval.__main__ as harness
     except ImportError:

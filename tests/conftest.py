@@ -61,6 +61,18 @@ def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 600,
                           timeout=timeout)
 
 
+def launcher(name: str):
+    """launch/<name>.py as a module, loaded by its path (launch/evaluate.py is not Hugging Face's `evaluate`), for
+    calling its cli() in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"launch_{name}", ROOT / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up while they are built)
+    spec.loader.exec_module(module)
+    return module
+
+
 def user_env(env: dict | None = None) -> dict:
     """`env` (default this process's environment) without torchrun's rank variables, as a user's shell has it."""
     return {k: v for k, v in (env or os.environ).items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}

@@ -236,6 +236,8 @@ HARNESS_TASKS = {
              "metric_list:\n  - metric: perplexity\n  - metric: acc\n",
     "text": "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: text\nmetric_list:\n"
             "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n",
+    "gen": "output_type: generate_until\ndoc_to_text: context\ndoc_to_target: target\ngeneration_kwargs:\n"
+           "  until: ['zz']\n  max_gen_toks: 10\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n",
 }
 
 
@@ -243,7 +245,8 @@ HARNESS_TASKS = {
 def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
     """`launch/harness.py --model hybridpar` (lm-eval's own command line, tasks defined from local JSONL files,
     offline) against launch/evaluate.py on the same files and checkpoint: equal accuracies, and log-likelihood
-    metrics equal to 1e-6 (the harness orders the requests its own way, so batches differ)."""
+    metrics equal to 1e-6 (the harness orders the requests its own way, so batches differ); its generate_until
+    texts (logged samples) equal hybridpar's greedy generation cut at the stop string."""
     from test_convert import _checkpoint
 
     paths = write_tasks(tmp_path)
@@ -251,12 +254,13 @@ def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
     include = tmp_path / "harness_tasks"
     include.mkdir()
     for name, body in HARNESS_TASKS.items():
+        data = paths["cloze" if name == "gen" else name]
         (include / f"{name}.yaml").write_text(f"task: local_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-                                              f"    test: {paths[name]}\ntest_split: test\n{body}")
+                                              f"    test: {data}\ntest_split: test\n{body}")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
     out = run_cli(["launch/harness.py", "--model", "hybridpar", "--model_args", f"checkpoint={ckpt},tokenizer=bytes",
-                   "--include_path", str(include), "--tasks", "local_mc,local_cloze,local_text", "--batch_size", "4",
-                   "--output_path", str(tmp_path / "harness_out")], env=env)
+                   "--include_path", str(include), "--tasks", "local_mc,local_cloze,local_text,local_gen",
+                   "--batch_size", "4", "--output_path", str(tmp_path / "harness_out"), "--log_samples"], env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     [result_file] = list((tmp_path / "harness_out").rglob("results_*.json"))
     harness = json.loads(result_file.read_text())["results"]
@@ -272,21 +276,78 @@ def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         assert close(harness["local_text"][f"{metric},none"], ours["text"][metric]), metric
 
+    from hybridpar.data.tokenizer import ByteTokenizer
+    from hybridpar.inference.load import load_for_inference
+    from hybridpar.parallel.distributed import shutdown
+
+    [samples] = list((tmp_path / "harness_out").rglob("samples_local_gen_*.jsonl"))
+    texts = {json.loads(line)["doc"]["context"]: json.loads(line)["resps"][0][0]
+             for line in samples.read_text().splitlines()}
+    contexts = [json.loads(line)["context"] for line in paths["cloze"].read_text().splitlines()]
+    try:
+        loaded = load_for_inference(str(ckpt), load_config([]), "bytes")
+        for context in contexts:
+            ids = ByteTokenizer().encode(context)[-(32 - 10):]  # the window (train.seq_len 32) less 10 new tokens
+            new = generate(loaded.model, [ids], Sampling(max_new_tokens=10),
+                           torch.device("cpu"), 0, vocab_limit=256).tokens[0]
+            assert texts[context] == ByteTokenizer().decode(new).split("zz")[0], context
+    finally:
+        loaded = None
+        shutdown()
+
 
 @pytest.mark.multiprocess
-def test_evaluate_launcher_refuses_bad_input_with_one_line(tmp_path):
+def test_evaluate_launcher_refuses_bad_input_with_one_line(tmp_path, cache_dir, capsys):
+    """Bad task files, options and layouts through launch/evaluate.py's cli() in this process; a to-torch export
+    loads to the DCP checkpoint's own numbers and tokens, and once truncated is one line through both launchers; a
+    bad task file given to a training run stops it before it writes anything. One line each, exit status 2."""
+    from conftest import launcher
+    from hybridpar.inference.load import load_for_inference
+    from hybridpar.parallel.distributed import shutdown
     from test_convert import _checkpoint
 
+    convert, evaluate, generate_cli = (launcher(n).cli for n in ("convert_checkpoint", "evaluate", "generate"))
     paths = write_tasks(tmp_path)
     _, ckpt = _checkpoint(tmp_path, "gpt2", max_seq_len=64)
     (tmp_path / "broken.jsonl").write_text('{"context": "a", "choices": [" b"], "label": 0}\n')
-    base = ["launch/evaluate.py", str(ckpt), "--tokenizer", "bytes"]
-    for args, message in [(base + ["--tasks", str(tmp_path / "nope.jsonl")], "does not exist"),
+    base = [str(ckpt), "--tokenizer", "bytes"]
+    capsys.readouterr()
+    for argv, message in [(base + ["--tasks", str(tmp_path / "nope.jsonl")], "does not exist"),
                           (base + ["--tasks", str(tmp_path / "broken.jsonl")], "broken.jsonl:1: context must be text and "
                                                                                "choices a list of two or more"),
                           (base, "give --tasks"),
                           (base + ["--tasks", str(paths["mc"]), "--max-len", "100"], "exceeds the model's context"),
                           (base + ["--tasks", str(paths["mc"]), "--parallel.tp", "2"], "world")]:
-        out = run_cli(args)
-        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
-        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert evaluate(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
+
+    export = tmp_path / "export"
+    assert convert(["to-torch", "--checkpoint", str(ckpt), "--out", str(export)]) == 0
+    got = []
+    for source in (ckpt, export):
+        try:
+            loaded = load_for_inference(str(source), load_config([]), "bytes")
+            scorer = Scorer(loaded.model, loaded.mesh, loaded.run.device, loaded.tokenizer, 32)
+            tokens = generate(loaded.model, PROMPTS, Sampling(max_new_tokens=8), loaded.run.device, 0).tokens
+            got.append((tokens, run_task(read_task(paths["mc"]), scorer), run_task(read_task(paths["text"]), scorer)))
+        finally:
+            loaded = scorer = None
+            shutdown()
+    (tokens_a, mc_a, text_a), (tokens_b, mc_b, text_b) = got
+    assert tokens_a == tokens_b and mc_a["acc"] == mc_b["acc"] and mc_a["acc_norm"] == mc_b["acc_norm"]
+    assert abs(text_a["bits_per_byte"] - text_b["bits_per_byte"]) < 1e-6
+    weights = export / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()
+    for cli, argv in ((evaluate, [str(export), "--tokenizer", "bytes", "--tasks", str(paths["mc"])]),
+                      (generate_cli, [str(export), "x", "--tokenizer", "bytes"])):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert "is not a readable safetensors file" in err and len(err.strip().splitlines()) == 1, err
+
+    run_dir = tmp_path / "run"
+    out = run_cli(["launch/pretrain_gpt.py", "--train.steps", "2", "--data.cache_dir", str(cache_dir), "--run.dir",
+                   str(run_dir), "--train.eval_tasks", str(tmp_path / "nope.jsonl")])
+    assert out.returncode == 2 and "nope.jsonl' does not exist" in out.stderr and not run_dir.exists(), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr

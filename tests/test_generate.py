@@ -110,13 +110,17 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, family):
 
 
 @pytest.mark.multiprocess
-def test_generate_launcher_streams_batches_and_refuses_bad_input(tmp_path):
-    """One prompt streams and reports tokens/s; a prompts file runs as one batch whose greedy texts equal each
-    prompt run alone; a prompt longer than the context, a missing checkpoint, a checkpoint whose config.yaml
-    describes another model and --model flags are one line each with exit status 2."""
+def test_generate_launcher_streams_batches_runs_under_torchrun_and_refuses_bad_input(tmp_path, capsys):
+    """One prompt streams and reports tokens/s; a prompts file runs as one batch whose first text equals the prompt
+    run alone; under torchrun (2 gloo ranks, --parallel.tp 2) rank 0 alone prints one process's text. A prompt
+    longer than the context, a missing checkpoint, a checkpoint whose config.yaml describes another model, --model
+    flags and a bad sampling setting are one line each with exit status 2 (the launcher's cli() in this process)."""
+    import shutil
+
+    from conftest import launcher
     from test_convert import _checkpoint
 
-    _, ckpt = _checkpoint(tmp_path, "gpt2", max_seq_len=64)
+    _, ckpt = _checkpoint(tmp_path, "llama", max_seq_len=64)
     base = ["launch/generate.py", str(ckpt), "--tokenizer", "bytes", "--max-new-tokens", "12", "--no-stop-at-eod"]
     one = run_cli(base + ["hello"])
     assert one.returncode == 0, one.stderr
@@ -128,18 +132,22 @@ def test_generate_launcher_streams_batches_and_refuses_bad_input(tmp_path):
     assert batch.returncode == 0, batch.stderr
     assert f"--- prompt 1\n{alone}\n" in batch.stdout and "--- prompt 2\nanother prompt" in batch.stdout
     assert "generated 24 tokens for 2 prompt(s)" in batch.stderr
-    bad_model = tmp_path / "bad"
-    import shutil
+    two = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *base, "hello",
+                   "--parallel.tp", "2"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and two.stderr.count("generated 12 tokens") == 1 and "'tp': 2" in two.stderr
 
+    bad_model = tmp_path / "bad"
     shutil.copytree(ckpt, bad_model)
     text = (bad_model / "config.yaml").read_text()
     (bad_model / "config.yaml").write_text(text.replace("n_layers: 2", "n_layers: 3"))
-    for args, message in [(base + ["x" * 80], "prompt 1 is 80 tokens; it must hold 1 to 63 tokens"),
-                          (["launch/generate.py", str(tmp_path / "none"), "x"], "does not exist"),
-                          (["launch/generate.py", str(bad_model), "x", "--tokenizer", "bytes"],
-                           "holds a different model"),
-                          (base + ["x", "--model.n_layers", "3"], "the model is the checkpoint's"),
-                          (base + ["x", "--top-p", "0"], "0 < top_p <= 1")]:
-        out = run_cli(args)
-        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
-        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    generate_cli, args = launcher("generate").cli, base[1:]
+    capsys.readouterr()
+    for argv, message in [(args + ["x" * 80], "prompt 1 is 80 tokens; it must hold 1 to 63 tokens"),
+                          ([str(tmp_path / "none"), "x"], "does not exist"),
+                          ([str(bad_model), "x", "--tokenizer", "bytes"], "holds a different model"),
+                          (args + ["x", "--model.n_layers", "3"], "the model is the checkpoint's"),
+                          (args + ["x", "--top-p", "0"], "0 < top_p <= 1")]:
+        assert generate_cli(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (argv, err)

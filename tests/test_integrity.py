@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_cli, user_env
+from conftest import ROOT, launcher, run_cli, user_env
 from hybridpar.checkpoint.dcp import checkpoint_dir, latest_checkpoint, load_full_model_state
 from hybridpar.errors import CheckpointError, DataError, RunDirError
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config
@@ -137,6 +137,8 @@ def test_poisoned_metadata_is_refused_by_every_reader(kind, trained, tmp_path):
     for cmd in ("to-torch", "to-hf"):  # the converters' own entry points, in this process
         assert convert_checkpoint.cli([cmd, "--checkpoint", str(ckpt), "--out", str(tmp_path / cmd)]) == 2
         assert not (tmp_path / cmd).exists()
+    for name, args in (("generate", [str(ckpt), "x"]), ("evaluate", [str(ckpt), "--tasks", "builtin:next-words"])):
+        assert launcher(name).cli(args) == 2
     assert not marker.exists()
 
 
