@@ -109,8 +109,9 @@ class Scorer:
 
     def _score(self, rows: list[int], seqs, pairs) -> tuple[torch.Tensor, torch.Tensor]:
         longest = max(len(seqs[i]) - 1 for i in rows)
-        T = -(-longest // PAD_TO) * PAD_TO
-        if T > self.model.cfg.max_seq_len:
+        step = math.lcm(PAD_TO, self.pad_multiple)  # (sequence parallelism: a multiple of tp as well)
+        T = -(-longest // step) * step
+        if T > self.model.cfg.max_seq_len:  # max_len (<= the context) divides by tp under sequence parallelism
             T = -(-longest // self.pad_multiple) * self.pad_multiple
         x = torch.zeros(len(rows), T, dtype=torch.long)
         y = torch.full((len(rows), T), -1, dtype=torch.long)

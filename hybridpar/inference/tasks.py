@@ -112,10 +112,14 @@ def next_words_examples(docs: list[str], n_words: int = 3, per_doc: int = 2, n_m
             true = " " + " ".join(words[-n_words:])
             context = "\n".join(ls[:k] + [" ".join(words[:-n_words])])[-300:]
             others = []
-            while len(others) < 3:
+            for _ in range(100):  # (a corpus of a few documents may not have three other tails)
                 j, tail = tails[rng.randrange(len(tails))]
                 if j != i and tail != true and tail not in others:
                     others.append(tail)
+                if len(others) == 3:
+                    break
+            else:
+                continue
             label = rng.randrange(4)
             out.append({"context": context, "choices": others[:label] + [true] + others[label:], "label": label})
     return out
