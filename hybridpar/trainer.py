@@ -38,9 +38,10 @@ from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_tar
                                            forward_backward_no_pipelining, logits_loss)
 from hybridpar.models import count_params
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
-from hybridpar.inference.evaluate import Scorer, metrics_row, run_task
+from hybridpar.inference.evaluate import Scorer, metrics_row, run_task, summary
 from hybridpar.inference.generate import Sampling, generate
 from hybridpar.inference.tasks import load_tasks
+from hybridpar.parallel import autocast_for
 from hybridpar.parallel.startup import build_parallel_model
 
 
@@ -115,9 +116,8 @@ class Trainer:
         self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
         ns_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
         self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
-        fsdp = isinstance(self.model, FSDPModule)  # FSDP's MixedPrecisionPolicy casts; without it, autocast does
-        self.autocast = (partial(torch.autocast, device.type, dtype=torch.bfloat16)
-                         if cfg.train.precision == "bf16" and not fsdp else nullcontext)
+        fsdp = isinstance(self.model, FSDPModule)
+        self.autocast = autocast_for(self.model, cfg.train.precision, device)
         self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum
         if self.tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -299,9 +299,7 @@ class Trainer:
                     return self.log.print(f"task evaluation at step {self.step} stopped by a stop request; not logged")
                 results[task.name] = run_task(task, scorer)
         self.log.log(metrics_row(self.step, results))
-        self.log.print(f"eval step {self.step} | " + " | ".join(
-            f"{name} " + " ".join(f"{k} {v:.4g}" for k, v in m.items() if k not in ("examples", "seconds"))
-            + f" ({m['examples']} examples, {m['seconds']:.1f}s)" for name, m in results.items()))
+        self.log.print(f"eval step {self.step} | " + " | ".join(summary(n, m) for n, m in results.items()))
 
     def _validate(self, result: TrainResult) -> None:
         val = self.evaluate()

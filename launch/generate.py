@@ -13,7 +13,7 @@ terminal as it is generated; a batch prints each prompt's text when done. --para
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -48,7 +48,7 @@ def parse(argv: list[str]):
     if a.checkpoint is None:
         if not a.prompts:
             raise ConfigError("give the CHECKPOINT (a run dir, checkpoint dir or export) and a prompt; see --help")
-        a = _replace(a, checkpoint=a.prompts[0], prompts=a.prompts[1:])
+        a = replace(a, checkpoint=a.prompts[0], prompts=a.prompts[1:])
     prompts = list(a.prompts)
     if a.prompts_file:
         path = Path(a.prompts_file)
@@ -62,12 +62,6 @@ def parse(argv: list[str]):
     if a.batch_size < 1:
         raise ConfigError(f"--batch-size {a.batch_size} must be >= 1")
     return a, cfg, prompts
-
-
-def _replace(a, **changes):
-    from dataclasses import replace
-
-    return replace(a, **changes)
 
 
 def main(a, cfg, prompts: list[str]) -> None:

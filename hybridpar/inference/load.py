@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from hybridpar.checkpoint.dcp import check_config_matches_tensors, load_model_weights, resolve_load_path
@@ -126,15 +125,10 @@ class Loaded:
 
     @property
     def autocast(self):
-        """bf16 autocast where FSDP's mixed precision does not cast already (as the trainer does)."""
-        from contextlib import nullcontext
-        from functools import partial
+        """The forward's context, as the trainer's (hybridpar.parallel.autocast_for)."""
+        from hybridpar.parallel import autocast_for
 
-        from torch.distributed.fsdp import FSDPModule
-
-        if self.run.cfg.train.precision == "bf16" and not isinstance(self.model, FSDPModule):
-            return partial(torch.autocast, self.run.device.type, dtype=torch.bfloat16)
-        return nullcontext
+        return autocast_for(self.model, self.run.cfg.train.precision, self.run.device)
 
 
 def load_for_inference(path: str, cfg, tokenizer_spec: str | None = None) -> Loaded:

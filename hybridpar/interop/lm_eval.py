@@ -61,15 +61,7 @@ class HybridparLM(LM):
         return self.scorer.loglikelihood([self.scorer.encode_pair(*r.args[:2]) for r in requests])
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        tok = self.loaded.tokenizer
-        docs = [tok.encode(r.args[0]) for r in requests]
-        pairs = [self.scorer.rolling_pairs(d) for d in docs]
-        flat = self.scorer.loglikelihood([p for doc in pairs for p in doc])
-        out, at = [], 0
-        for doc in pairs:
-            out.append(sum(v for v, _ in flat[at:at + len(doc)]))
-            at += len(doc)
-        return out
+        return self.scorer.rolling_loglikelihood([self.loaded.tokenizer.encode(r.args[0]) for r in requests])
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         tok, run = self.loaded.tokenizer, self.loaded.run

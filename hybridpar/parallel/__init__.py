@@ -45,6 +45,17 @@ def check_layout(cfg: Config, degrees: tuple[int, int, int], gpus_per_node: int 
     check_strategy(cfg.parallel, dp_shard)
 
 
+def autocast_for(model: nn.Module, precision: str, device: torch.device):
+    """The context a forward runs in: bf16 autocast where FSDP's MixedPrecisionPolicy does not cast already."""
+    from contextlib import nullcontext
+
+    from torch.distributed.fsdp import FSDPModule
+
+    if precision == "bf16" and not isinstance(model, FSDPModule):
+        return functools.partial(torch.autocast, device.type, dtype=torch.bfloat16)
+    return nullcontext
+
+
 def uses_fsdp(cfg: Config, dp: int) -> bool:
     """fully_shard wraps the model when there is data parallelism, and for bf16 on any mesh (1x1 included): its
     MixedPrecisionPolicy gives bf16 compute with fp32 master weights and fp32 gradient reduction, so one GPU and
