@@ -60,6 +60,7 @@ class MetricsLogger:
         self.enabled, self.out, self.total_steps = enabled, out, cfg.train.steps
         self.file = None
         self.wandb_run = self.tensorboard = None
+        self.wandb_step = 0
         if not enabled:
             return
         self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
@@ -117,8 +118,10 @@ class MetricsLogger:
                               f"space there, then start the same command again (it resumes from the latest "
                               f"complete checkpoint)") from None
         series = {k: v for k, v in row.items() if k != "step" and k not in RECORD_ONLY}
-        if self.wandb_run is not None:
+        if self.wandb_run is not None and row["step"] >= self.wandb_step:
+            # W&B's step only grows: steps trained again after a rewind are in metrics.jsonl, not W&B
             self.wandb_run.log(series, step=row["step"])
+            self.wandb_step = row["step"]
         if self.tensorboard is not None:
             for k, v in series.items():
                 if isinstance(v, (int, float)):

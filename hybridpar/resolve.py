@@ -29,7 +29,7 @@ from hybridpar.checkpoint.dcp import latest_checkpoint, resolve_load_path
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config, read_run_state
 from hybridpar.checkpoint.run_dir import RunDirLock
 from hybridpar.config import Config
-from hybridpar.data.dataset import load_data_tokenizer
+from hybridpar.data.dataset import load_data_tokenizer, train_batches
 from hybridpar.errors import ConfigError, RunDirError
 from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
@@ -169,7 +169,7 @@ SAMPLE_INDEX_BYTES, SAMPLE_INDEX_LIMIT = 12, 8 * 2**30
 
 def check_sample_count(cfg: Config) -> None:
     t = cfg.train
-    samples = t.steps * t.global_batch_size
+    samples = train_batches(cfg) * t.global_batch_size
     if samples * SAMPLE_INDEX_BYTES > SAMPLE_INDEX_LIMIT:
         most = SAMPLE_INDEX_LIMIT // SAMPLE_INDEX_BYTES // t.global_batch_size
         raise ConfigError(f"train.steps={t.steps} x train.global_batch_size={t.global_batch_size} = {samples:,} "

@@ -38,6 +38,8 @@ from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_tar
                                            forward_backward_no_pipelining, logits_loss)
 from hybridpar.models import count_params
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
+from hybridpar.training.spikes import local_tensor, batch_number, find_spike, windows_of, windows_tensor
+from hybridpar.config import merge_windows
 from hybridpar.inference.evaluate import Scorer, metrics_row, run_task, summary
 from hybridpar.inference.generate import Sampling, generate
 from hybridpar.inference.tasks import load_tasks
@@ -52,12 +54,13 @@ logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERR
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many non-finite steps in a row."""
+    """Too many non-finite steps in a row, or a loss spike after spike.max_rewinds rewinds."""
 
 
 class Hook(Protocol):
     def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
     def on_train_end(self, trainer: "Trainer") -> None: ...
+    # optional: on_gradients(trainer, step), after backward and before clipping (fault-injection drills)
 
 
 @dataclass
@@ -127,8 +130,21 @@ class Trainer:
             self.forward_loss = (partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if t.loss_chunk_tokens
                                  else logits_loss)
         self.step = 0  # optimizer steps done
-        self.consumed_samples = 0  # the data position: samples of all ranks consumed so far
+        self.consumed_samples = 0  # samples of all ranks trained so far (step x global batch)
         self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
+        # Loss spikes (hybridpar.training.spikes): the batches never trained (data.skip_batches, then each rewind's),
+        # the window of earlier (loss, grad norm) the test compares with, the rewinds done, the end of a rewind's
+        # learning-rate scaling. All of it is checkpointed: a resumed run decides and trains what this one would.
+        self.skip_windows = list(cfg.data.skip_windows)
+        self.spike_history: list[tuple[float, float]] = []
+        self.rewinds = self.lr_scale_until = 0
+        self.spike: tuple[int, str] | None = None  # (step, why) of a spike found, acted on at the step's end
+        self.local_stats: dict[int, tuple[float, float]] = {}  # step -> this rank's (loss share, grad shard norm^2)
+        self.replaying = False  # a rerun of steps already trained (spike.rerun): nothing logged, nothing tested
+        self.rotate_data = False  # spike.rerun=rotate: this step, each data-parallel rank takes its neighbour's batch
+        self.rewinder = None  # set by the launcher (hybridpar.training.rewind.Rewinder) when train.spike=rewind
+        self.data.train.order = lambda step: batch_number(step + 1, self.skip_windows) - 1
+        self.check_skips([])
         # Set by a signal handler; acted on at the end of the step (after the current microbatch when no checkpoint
         # would be saved: _stop_mid_step).
         self.stop_requested, self.stop_signal = False, 0
@@ -149,13 +165,37 @@ class Trainer:
         self.stop_requested, self.stop_signal = True, signum
 
     # -- what a checkpoint keeps of the loop (hybridpar.checkpoint.dcp saves and restores it) ------------------
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped": self.skipped_steps,
-                "skip_streak": self.consecutive_skips}
+                "skip_streak": self.consecutive_skips, "skip_windows": windows_tensor(self.skip_windows),
+                "spike_history": torch.tensor(self.spike_history, dtype=torch.float64).reshape(-1, 2),
+                "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until}
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's trainer state (older checkpoints lack the spike fields). The skipped batches are the
+        union of the checkpoint's and this run's data.skip_batches."""
         self.step, self.consumed_samples = int(state["step"]), int(state["consumed_samples"])
         self.skipped_steps, self.consecutive_skips = int(state["skipped"]), int(state.get("skip_streak", 0))
+        saved = windows_of(state["skip_windows"]) if "skip_windows" in state else []
+        self.skip_windows = merge_windows(saved + list(self.cfg.data.skip_windows))
+        self.check_skips(saved)
+        history = state.get("spike_history")
+        self.spike_history = [] if history is None else [tuple(r) for r in history.reshape(-1, 2).tolist()]
+        self.rewinds, self.lr_scale_until = int(state.get("rewinds", 0)), int(state.get("lr_scale_until", 0))
+
+    def check_skips(self, saved: list[tuple[int, int]]) -> None:
+        """data.skip_batches names batches still to come (after the one the run's position has trained: a checkpoint
+        at step k has trained batch_number(k, its windows)), and the split holds every batch train.steps needs."""
+        done = batch_number(self.step, saved) if self.step else 0
+        for a, b in self.cfg.data.skip_windows:
+            if a <= done and not any(x <= a and b <= y for x, y in saved):
+                raise ConfigError(f"data.skip_batches: batch {a} was trained already (the run is at step "
+                                  f"{self.step}, batch {done}); skip batches after {done}")
+        need, have = batch_number(self.cfg.train.steps, self.skip_windows), self.data.train.n_steps
+        if need > have:
+            raise ConfigError(f"data.skip_batches: train.steps={self.cfg.train.steps} past the skipped batches "
+                              f"would end at batch {need}, but the train split holds {have}: skip fewer batches "
+                              f"or lower train.steps")
 
     def _gpu_notes(self, cfg: Config) -> None:
         """What a GPU run should know at start, once."""
@@ -196,15 +236,19 @@ class Trainer:
         # Random numbers (dropout) come from (seed, step): a resumed run draws exactly what the uninterrupted one did.
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        if step < self.lr_scale_until:  # the steps after a rewind (spike.lr_scale, spike.lr_steps)
+            lr *= self.cfg.spike.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr * peak_lr_ratio(group, self.cfg.optim)
         t0 = time.perf_counter()
         # Copied to the device at once, asynchronously (the loader pins them on a GPU), so the target-token count
         # below is computed there: counting on the host first would make its copy a blocking one.
+        loader = self.data.train
+        batch = loader.load(loader.order(step), rank_shift=1) if self.rotate_data else loader.microbatches(step)
         microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                        for x, y in self.data.train.microbatches(step)]
+                        for x, y in batch]
         self.data_wait_seconds += time.perf_counter() - t0
-        self.batch_crc32 = self.data.train.crc32.pop(step, None)
+        self.batch_crc32 = self.data.train.crc32.pop(self.data.train.order(step), None)
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
         loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
@@ -212,9 +256,18 @@ class Trainer:
                                               autocast=self.autocast, loss_context=self.loss_context,
                                               stop_now=self._stop_mid_step,
                                               accumulate_unsharded=self.cfg.parallel.accumulate_unsharded)
+        for hook in self.hooks:
+            if hasattr(hook, "on_gradients"):
+                hook.on_gradients(self, step + 1)
+        if self.cfg.spike.rerun != "off":  # this rank's own numbers, for a rerun to compare with
+            shard_sq = sum((local_tensor(p.grad).float() ** 2).sum() for p in self.model.parameters() if p.grad is not None)
+            self.local_stats[step + 1] = torch.stack([loss.detach().float().reshape(()), shard_sq])
         grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip).reshape(()).float()
-        # (norm, stop vote): settled by settle(), now or one step late
-        status = torch.stack([grad_norm, self._stop_vote()])
+        # (norm, stop vote, global loss when spikes are tested): settled by settle(), now or one step late
+        parts = [grad_norm, self._stop_vote()]
+        if self.cfg.train.spike != "off":
+            parts.append(self._dp_sum(loss.detach().clone().float().reshape(())))
+        status = torch.stack(parts)
         self._pending.append((step + 1, status))
         if self._device_skip:  # the fused kernel skips the whole update when found_inf is nonzero: no host read
             self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
@@ -236,8 +289,13 @@ class Trainer:
         return finite
 
     def _settle_one(self, step: int, status: torch.Tensor) -> bool:
-        norm_value, stop_value = status.tolist()
+        norm_value, stop_value, *loss_value = status.tolist()
+        stats = self.local_stats.get(step)
+        if isinstance(stats, torch.Tensor):
+            self.local_stats[step] = tuple(stats.tolist())
         finite = math.isfinite(norm_value)
+        if finite and loss_value:
+            self._test_spike(step, loss_value[0], norm_value)
         if finite:
             self.consecutive_skips = 0
         else:
@@ -251,6 +309,23 @@ class Trainer:
                                        f"complete checkpoint is intact: lower optim.lr or check the data, then resume")
         self.stop_voted = self.stop_voted or bool(stop_value)
         return finite
+
+    def _test_spike(self, step: int, loss: float, norm: float) -> None:
+        """The spike test of a finite step (train.spike warn or rewind): a spike is reported (and, with rewind, acted
+        on at the end of the step) and kept out of the window; other steps enter it."""
+        why = None if self.replaying or self.spike is not None else find_spike(self.cfg.spike, self.spike_history,
+                                                                                  loss, norm)
+        if why is None:
+            if self.spike is None or self.replaying:
+                self.spike_history = (self.spike_history + [(loss, norm)])[-self.cfg.spike.window:]
+            return
+        self.spike = (step, why)
+        self.say(f"warning: step {step}: loss spike: {why}"
+                 + ("" if self.cfg.train.spike == "rewind" else " (train.spike=warn: training on)"))
+        if self.log is not None:
+            self.log.log({"step": step, "spike": why, "spike_loss": loss, "spike_grad_norm": norm})
+        if self.cfg.train.spike == "warn":
+            self.spike = None
 
     def _eager(self):
         """Validation and sampling run the compiled blocks eagerly: under no_grad, and with the sample's growing
@@ -374,6 +449,12 @@ class Trainer:
                 stop = stop or (self.stop_voted and not done)
             for hook in self.hooks:
                 hook.on_step_end(self, self.step)
+            if self.spike is not None and self.rewinder is None:
+                self.spike = None  # (a trainer without checkpoints to go back to: the warning was all)
+            if self.spike is not None:
+                self.rewinder.rewind(self)  # back to a checkpoint (or on from a rerun), the spike's batches skipped
+                last_time, last_step = time.perf_counter(), self.step
+                continue
             if stop:
                 result.preempted = True
                 self.log.print(f"stop requested: leaving after step {self.step}")

@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.checkpoint.dcp import CheckpointHook, Checkpointer
-from hybridpar.config import Config
+from hybridpar.config import Config, merge_windows
 from hybridpar.config.cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.errors import UserError
 from hybridpar.parallel.distributed import shutdown, world_from_env
 from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult, start_trainer
+from hybridpar.training.rewind import SKIPPED_FILE, Rewinder, SpikeLimit, read_skipped
+from hybridpar.training.spikes import HostCopies
 from hybridpar.training.microbatch import StopMidStep
 
 
@@ -76,8 +78,9 @@ class StoppedWithoutCheckpoint(Exception):
         self.exit_code = 128 + signum
 
 
-def main(cfg: Config) -> TrainResult:
-    """Train with `cfg` on the processes the launcher started (one without a launcher)."""
+def main(cfg: Config, hooks=()) -> TrainResult:
+    """Train with `cfg` on the processes the launcher started (one without a launcher); `hooks` are added to the
+    trainer's (hybridpar.trainer.Hook: drills and extra logging)."""
     run = trainer = None
     try:
         # Resolve (every derivation and check; the run dir's lock taken), then mesh, data and model.
@@ -85,10 +88,19 @@ def main(cfg: Config) -> TrainResult:
         run = trainer.run
         cfg, run_dir, load_from, device, world = run.cfg, run.run_dir, run.load_from, run.device, run.world
         checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save)
-        trainer.hooks.append(CheckpointHook(checkpointer, cfg.checkpoint.interval))
+        rewinding = cfg.train.spike == "rewind"
+        copies = HostCopies(cfg.spike.keep_in_memory if rewinding else 0)
+        trainer.hooks.append(CheckpointHook(checkpointer, cfg.checkpoint.interval, copies))
+        trainer.hooks.extend(hooks)
+        if rewinding:
+            trainer.rewinder = Rewinder(checkpointer, copies)
         data_changes = []
         if load_from is not None:
             data_changes = checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)
+            if not cfg.checkpoint.load_weights_only:  # rewinds of that run since its checkpoint was written
+                windows, rewinds = read_skipped(load_from.parent.parent)
+                trainer.skip_windows = merge_windows(trainer.skip_windows + windows)
+                trainer.rewinds = max(trainer.rewinds, rewinds)
         resumed = trainer.step > 0
         if load_from is not None and not cfg.checkpoint.load_weights_only and trainer.step >= cfg.train.steps:
             if world.rank == 0:  # e.g. the run's own config.yaml passed back: nothing to do, and nothing is touched
@@ -107,6 +119,7 @@ def main(cfg: Config) -> TrainResult:
                 _keep_metrics_until(run_dir / "metrics.jsonl", trainer.step)
             else:
                 (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+                (run_dir / SKIPPED_FILE).unlink(missing_ok=True)
             (run_dir / "config.yaml").write_text(dump_yaml(cfg))
             trainer.tokenizer.save(run_dir)
             trainer.open_log(enabled=True, config_dict=to_dict(cfg))
@@ -164,7 +177,7 @@ def cli(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         result = main(cfg)
-    except TrainingDiverged as e:
+    except (TrainingDiverged, SpikeLimit) as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
     except StoppedWithoutCheckpoint as e:

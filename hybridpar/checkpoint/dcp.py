@@ -154,7 +154,7 @@ class Checkpointer:
         if dist.get_rank() == 0 and path.exists():  # a save of this step that was cut off earlier
             shutil.rmtree(path)
         dist.barrier()
-        position = {k: torch.tensor(v) for k, v in
+        position = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in
                     {**trainer.state_dict(), "step": step, "data_key": data_key(trainer.cfg)}.items()}
         state = _state(trainer.model, trainer.optimizer, position)
         self._need_bytes = _local_bytes(state)
@@ -281,8 +281,8 @@ class Checkpointer:
         else:
             state = {"model": get_model_state_dict(trainer.model)}
         if not weights_only:
-            # skip_streak and data_key are absent from older checkpoints
-            state["trainer"] = {k: torch.tensor(0) for k in [*trainer.state_dict(), "data_key"]
+            # skip_streak, data_key and the spike fields are absent from older checkpoints
+            state["trainer"] = {k: _placeholder(saved[f"trainer.{k}"]) for k in [*trainer.state_dict(), "data_key"]
                                 if f"trainer.{k}" in saved}
         _safe_load(state, path, SafeLoadPlanner(), metadata)
         if not with_optim:
@@ -297,7 +297,7 @@ class Checkpointer:
                 group.update(settings)
         if weights_only:
             return []
-        t = {k: int(v) for k, v in state["trainer"].items() if k != "data_key"}
+        t = {k: v if v.dim() else int(v) for k, v in state["trainer"].items() if k != "data_key"}
         step, consumed, G = t["step"], t["consumed_samples"], trainer.cfg.train.global_batch_size
         if not with_optim and step:
             raise CheckpointError(f"checkpoint {path} is at step {step} but holds no optimizer state; load it "
@@ -307,6 +307,13 @@ class Checkpointer:
                                   f"train.global_batch_size={G}: resume with the global batch size it was saved with")
         trainer.load_state_dict(t)
         return changes
+
+
+def _placeholder(entry) -> torch.Tensor:
+    """A tensor of a saved entry's shape and dtype, for DCP to load into."""
+    size = tuple(getattr(entry, "size", ()) or ())
+    dtype = getattr(getattr(entry, "properties", None), "dtype", None) or torch.int64
+    return torch.zeros(size, dtype=dtype)
 
 
 def _check_shapes(path: Path, saved: dict, model_state: dict) -> None:
@@ -354,19 +361,22 @@ def load_model_weights(model: nn.Module, path: Path) -> None:
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 
-def read_trainer_state(path: Path, with_data_key: bool = False) -> dict[str, int]:
-    """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped (and skip_streak); with
-    with_data_key also the data settings' key (resume_checks.data_key) where the checkpoint has one."""
+def read_trainer_state(path: Path, with_data_key: bool = False) -> dict:
+    """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped, skip_streak, rewinds,
+    lr_scale_until as ints, skip_windows and spike_history as lists (the older fields only, in older checkpoints);
+    with with_data_key also the data settings' key (resume_checks.data_key) where the checkpoint has one."""
     state: dict = {}
     _safe_load(state, path, SafeEmptyLoadPlanner(keys={"trainer"}), no_dist=True)
-    return {k: int(v) for k, v in state["trainer"].items() if with_data_key or k != "data_key"}
+    return {k: v.tolist() if v.dim() else int(v) for k, v in state["trainer"].items()
+            if with_data_key or k != "data_key"}
 
 
 class CheckpointHook:
     """Saves every checkpoint.interval steps and at the end of training (when interval > 0)."""
 
-    def __init__(self, checkpointer: Checkpointer, interval: int):
+    def __init__(self, checkpointer: Checkpointer, interval: int, copies=None):
         self.checkpointer, self.interval = checkpointer, interval
+        self.copies = copies  # hybridpar.training.spikes.HostCopies: a host-memory copy of each save, for rewinds
         self.last_saved = -1
 
     def _save(self, trainer, step: int) -> None:
@@ -379,7 +389,13 @@ class CheckpointHook:
                               f"non-finite step(s) in a row; the latest checkpoint "
                               f"{latest if latest is not None else '(none)'} predates the streak")
             return
+        if trainer.spike is not None:  # the state holds a spike about to be rewound: not worth keeping
+            trainer.log.print(f"not saving a checkpoint at step {step}: the loss spike of step {trainer.spike[0]} "
+                              f"is being rewound")
+            return
         path = self.checkpointer.save(trainer, step)
+        if self.copies is not None:
+            self.copies.take(trainer, step)
         blocked = self.checkpointer.blocking_seconds[-1]
         trainer.log.print(f"{'started' if self.checkpointer.async_save else 'saved'} checkpoint {path} "
                           f"(step loop blocked {blocked:.2f}s)")

@@ -1,6 +1,6 @@
 """The run's configuration: a tree of typed dataclasses, one per section, every field with a one-line docstring.
 
-Sections: model, parallel, train, optim, data, checkpoint, logging (with logging.wandb), profile, run. Each validates its
+Sections: model, parallel, train, optim, data, checkpoint, spike, logging (with logging.wandb), profile, run. Each validates its
 own fields in __post_init__; `Config.__post_init__` checks what spans sections (batch arithmetic, sequence length
 against the model's context). Every section is frozen: what depends on the world, the device or the data is derived
 once by hybridpar.resolve, into a new Config. Loading from YAML and the command line lives in hybridpar.config.cli.
@@ -96,6 +96,9 @@ class TrainConfig:
     memory_check: bool = doc(True, "on a GPU, refuse to start when the planner's per-GPU total exceeds the device's "
                                    "usable memory (and name the best layout that fits); false starts anyway")
     grad_clip: float = doc(1.0, "clip the global gradient norm to this value; 0 disables clipping")
+    spike: Literal["off", "warn", "rewind"] = doc(
+        "warn", "loss spikes (the spike section's test): off; warn (a console line and a metrics row); rewind (back to "
+        "the newest checkpoint before the spike, skip its batches, continue; docs/training.md)")
     max_skipped_steps: int = doc(5, "optimizer steps with a non-finite gradient norm are skipped; more than this "
                                     "many in a row stop the run")
     eval_interval: int = doc(50, "run validation every this many steps (and at the first and last step); 0 = never")
@@ -112,6 +115,8 @@ class TrainConfig:
     sample_temperature: float = doc(0.8, "sampling temperature; 0 = greedy")
 
     def __post_init__(self):
+        if self.spike not in ("off", "warn", "rewind"):
+            raise ValueError(f"train.spike={self.spike!r}: use off, warn or rewind")
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ValueError(f"train.activation_checkpointing={self.activation_checkpointing!r}: use none, full "
                              f"or selective")
@@ -190,6 +195,9 @@ class DataConfig:
     split: str = doc("95,5,0", "train,valid,test weights, by document (each prefix of a blend is split alike)")
     cache_dir: str = doc("~/.cache/hybridpar", "built corpus, tokenizers and dataset index caches; shared by all "
                                                "nodes of a multi-node run")
+    skip_batches: list[str] = doc([], "global batches never to train, as ranges A-B of batch numbers (batch N is the "
+                                      "one step N trains when nothing is skipped; comma-separated on the command "
+                                      "line), added to those a checkpoint's rewinds skipped")
 
     def __post_init__(self):
         parts = self.split.split(",")
@@ -202,6 +210,21 @@ class DataConfig:
         if len(weights) != 3 or not all(map(math.isfinite, weights)) or min(weights) < 0 or weights[0] <= 0 \
                 or weights[1] <= 0:
             raise ValueError(f"data.split={self.split!r}: give three weights train,valid,test with train and valid > 0, e.g. 98,1,1")
+        self.skip_windows  # parsed (and checked) once here
+
+    @property
+    def skip_windows(self) -> list[tuple[int, int]]:
+        """data.skip_batches as sorted, merged (first, last) batch numbers, 1-based and inclusive."""
+        windows = []
+        for text in self.skip_batches:
+            a, sep, b = str(text).partition("-")
+            if not (a.strip().isdigit() and (not sep or b.strip().isdigit())):
+                raise ValueError(f"data.skip_batches={text!r}: give ranges of batch numbers A-B (or N), e.g. 101-120")
+            first, last = int(a), int(b) if sep else int(a)
+            if not 1 <= first <= last:
+                raise ValueError(f"data.skip_batches={text!r}: a range A-B needs 1 <= A <= B")
+            windows.append((first, last))
+        return merge_windows(windows)
 
     @property
     def cache_path(self) -> Path:
@@ -211,6 +234,47 @@ class DataConfig:
     def split_fractions(self) -> tuple[float, float, float]:
         w = [float(p) for p in self.split.split(",")]
         return w[0] / sum(w), w[1] / sum(w), w[2] / sum(w)
+
+
+def merge_windows(windows) -> list[tuple[int, int]]:
+    """Inclusive (first, last) ranges, sorted and with overlapping or touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(windows):
+        if out and a <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    window: int = doc(50, "steps of loss (and gradient norm) history a step is tested against")
+    zscore: float = doc(6.0, "a loss spike: more than this many standard deviations above the window's mean ...")
+    min_rise: float = doc(0.1, "... and at least this fraction above it (guards a window that is almost flat)")
+    grad_norm_zscore: float = doc(0.0, "test the gradient norm (before clipping) the same way; 0 = not tested")
+    grad_norm_min_rise: float = doc(1.0, "the gradient norm's rise above the window's mean, as a fraction")
+    skip: int = doc(10, "rewind: the global batches skipped, those of the spiking step and the steps before it")
+    max_rewinds: int = doc(3, "rewinds per run; a spike after that many stops the run (exit 3)")
+    lr_scale: float = doc(1.0, "rewind: multiply the learning rate by this ...")
+    lr_steps: int = doc(0, "... for this many steps after the rewind's checkpoint (0 = never)")
+    keep_in_memory: int = doc(2, "rewind: host-memory copies kept of the newest checkpoints (a rewind to one reads "
+                                 "nothing from disk); 0 = read the checkpoint back")
+    rerun: Literal["off", "same", "rotate"] = doc(
+        "off", "rewind: replay up to the spiking step first and compare: same (the same ranks) or rotate (each "
+               "data-parallel rank computes its neighbour's batch); the same loss means the data, another a fault "
+               "(the ranks that differ are named, nothing is skipped)")
+
+    def __post_init__(self):
+        _positive("spike", window=self.window, zscore=self.zscore, skip=self.skip, lr_scale=self.lr_scale)
+        if self.window < 2:
+            raise ValueError(f"spike.window={self.window} must be >= 2 (a standard deviation needs two steps)")
+        if self.min_rise < 0 or self.grad_norm_zscore < 0 or self.grad_norm_min_rise < 0:
+            raise ValueError("spike.min_rise, spike.grad_norm_zscore and spike.grad_norm_min_rise must be >= 0")
+        if self.max_rewinds < 0 or self.lr_steps < 0 or self.keep_in_memory < 0:
+            raise ValueError("spike.max_rewinds, spike.lr_steps and spike.keep_in_memory must be >= 0")
+        if self.rerun not in ("off", "same", "rotate"):
+            raise ValueError(f"spike.rerun={self.rerun!r}: use off, same or rotate")
 
 
 @dataclass(frozen=True)
@@ -300,6 +364,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "optimizer and LR schedule"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "data"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig, metadata={"help": "checkpoints"})
+    spike: SpikeConfig = field(default_factory=SpikeConfig, metadata={"help": "loss-spike test and rewinds "
+                                                                               "(train.spike)"})
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "metrics and logging"})
     profile: ProfileConfig = field(default_factory=ProfileConfig, metadata={"help": "profiler"})
     run: RunConfig = field(default_factory=RunConfig, metadata={"help": "run identity and directory"})
@@ -314,6 +380,9 @@ class Config:
                              f"train.micro_batch_size={t.micro_batch_size}")
         if self.optim.schedule == "wsd" and self.optim.decay_steps and self.optim.decay_steps > t.steps:
             raise ValueError(f"optim.decay_steps={self.optim.decay_steps} exceeds train.steps={t.steps}")
+        if t.spike == "rewind" and self.checkpoint.interval == 0:
+            raise ValueError("train.spike=rewind goes back to a checkpoint: set --checkpoint.interval N (e.g. 50), or "
+                             "use --train.spike warn")
         if self.optim.name == "muon" and self.parallel.fsdp_cpu_offload:
             raise ValueError("optim.name=muon with parallel.fsdp_cpu_offload=true: Muon's all-to-alls run where the "
                              "process group does and offloaded matrices stay in host memory; turn one off")

@@ -120,6 +120,14 @@ class TrainingData:
                 f"pass(es) over the split's {per_pass:,})")
 
 
+def train_batches(cfg) -> int:
+    """Global batches the train split is built for: train.steps, and with train.spike=rewind the batches its rewinds
+    may skip (spike.max_rewinds x spike.skip). The count decides megatron-core's sample order, as train.steps does
+    (docs/data.md): turning rewinds on or changing those two builds another order."""
+    t, s = cfg.train, cfg.spike
+    return t.steps + (s.max_rewinds * s.skip if t.spike == "rewind" else 0)
+
+
 def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     """The data of a resolved run (hybridpar.resolve.Run), in one straight flow: the run's tokenizer -> the indexed
     files (the built-in corpus built into the cache first), each opened and checked once -> the blend and splits,
@@ -135,7 +143,7 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
         description = " + ".join(f"{w:.2f} x {p}" for w, p in blend) if len(blend) > 1 else path
     n_valid = t.eval_batches * t.global_batch_size
     sets = build_gpt_datasets(blend, indexes, d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, vocab,
-                              {"train": t.steps * t.global_batch_size, "valid": n_valid},
+                              {"train": train_batches(cfg) * t.global_batch_size, "valid": n_valid},
                               d.cache_path)
     pin = run.device.type == "cuda"
     train = GlobalBatchLoader(sets["train"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, vocab,

@@ -208,15 +208,17 @@ class GlobalBatchLoader:
         self.n_steps = len(dataset) // global_batch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hybridpar-{name}-loader")
         self._pending: dict = {}
-        self.crc32: dict[int, int] = {}  # step -> CRC-32 of this rank's inputs and targets (pop it after use)
+        self.crc32: dict[int, int] = {}  # batch -> CRC-32 of this rank's inputs and targets (pop it after use)
+        self.order = lambda step: step  # 0-based step -> 0-based global batch (the trainer's skipped batches)
 
-    def sample_indices(self, step: int) -> range:
-        first = step * self.G + self.dp_rank * self.per_rank
+    def sample_indices(self, step: int, rank_shift: int = 0) -> range:
+        first = step * self.G + (self.dp_rank + rank_shift) % (self.G // self.per_rank) * self.per_rank
         return range(first, first + self.per_rank)
 
-    def load(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Global batch `step`'s microbatches for this rank, read now (no read-ahead)."""
-        idx = self.sample_indices(step)
+    def load(self, step: int, rank_shift: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Global batch `step`'s microbatches for this rank (with rank_shift, data-parallel rank + shift's), read
+        now (no read-ahead)."""
+        idx = self.sample_indices(step, rank_shift)
         rows = [self.dataset[i] for i in idx]
         x = torch.stack([r["tokens"] for r in rows])
         y = torch.stack([r["labels"] for r in rows])
@@ -235,17 +237,23 @@ class GlobalBatchLoader:
         return [(x[m:m + self.micro], y[m:m + self.micro]) for m in range(0, self.per_rank, self.micro)]
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if step >= self.n_steps:
+        """The microbatches that 0-based optimizer step `step` trains: global batch order(step) (the step itself,
+        past the batches a run skips), with the next steps' batches read ahead."""
+        index = self.order(step)
+        if index >= self.n_steps:
             raise DataError(f"{self.name} data has {len(self.dataset)} samples, {self.n_steps} global batches; "
-                            f"step {step} is past its end")
-        future = self._pending.pop(step, None)
-        batch = future.result() if future is not None else self.load(step)
-        for s in [s for s in self._pending if s < step]:
+                            f"step {step + 1} would train batch {index + 1}, past its end"
+                            + (" (skipped batches moved it there: raise spike.skip x spike.max_rewinds, which "
+                               "the split is built for, or skip fewer)" if index != step else ""))
+        future = self._pending.pop(index, None)
+        batch = future.result() if future is not None else self.load(index)
+        for s in [s for s in self._pending if s < index]:
             self._pending.pop(s).cancel()
-        for s in [s for s in list(self.crc32) if s < step]:  # list(): one atomic copy (the reader thread adds)
+        for s in [s for s in list(self.crc32) if s < index]:  # list(): one atomic copy (the reader thread adds)
             del self.crc32[s]
-        for s in range(step + 1, min(step + 1 + self.prefetch, self.n_steps)):
-            if s not in self._pending:
+        for s in range(step + 1, step + 1 + self.prefetch):
+            s = self.order(s)
+            if s < self.n_steps and s not in self._pending:
                 self._pending[s] = self._pool.submit(self.load, s)
         return batch
 

@@ -1,0 +1,116 @@
+"""Loss spikes: the test against a running window, the batches a rewind skips, and host-memory copies of the newest
+checkpoints (a rewind to one of them reads nothing from disk).
+
+Batches are numbered from 1 as the steps of a run that skips nothing: batch N is samples [(N-1) G, N G) of the
+train split (G the global batch). A run's skipped batches are a sorted list of inclusive (first, last) windows; step
+k then trains batch_number(k, windows), the k-th batch not in a window. The windows are part of a checkpoint's
+trainer state, so a resumed run never trains them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from hybridpar.config import SpikeConfig, merge_windows
+
+
+def batch_number(step: int, windows: list[tuple[int, int]]) -> int:
+    """The batch that 1-based step `step` trains: the step-th batch outside the (sorted, merged) windows."""
+    n = step
+    for first, last in windows:
+        if n < first:
+            break
+        n += last - first + 1
+    return n
+
+
+def windows_text(windows: list[tuple[int, int]]) -> str:
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in windows)
+
+
+def windows_tensor(windows: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor(windows, dtype=torch.int64).reshape(-1, 2)
+
+
+def windows_of(t: torch.Tensor) -> list[tuple[int, int]]:
+    return merge_windows((int(a), int(b)) for a, b in t.reshape(-1, 2).tolist())
+
+
+def spike_reason(what: str, value: float, history: list[float], zscore: float, min_rise: float) -> str | None:
+    """Why `value` is a spike against `history` (a full window of earlier values): more than zscore standard
+    deviations above the window's mean and at least min_rise (a fraction) above it; None when it is not one."""
+    mean = sum(history) / len(history)
+    std = math.sqrt(sum((v - mean) ** 2 for v in history) / (len(history) - 1))
+    if not (value > mean + zscore * std and value > mean * (1 + min_rise)):
+        return None
+    sigmas = (value - mean) / std if std > 0 else math.inf
+    return (f"{what} {value:.4g} is {sigmas:.1f} standard deviations above the mean {mean:.4g} of the last "
+            f"{len(history)} steps (+{100 * (value / mean - 1):.0f}%)")
+
+
+def find_spike(cfg: SpikeConfig, history: list[tuple[float, float]], loss: float, grad_norm: float) -> str | None:
+    """The spike test of one step (its global loss and gradient norm) against the window before it (the steps that
+    were not spikes, (loss, norm) pairs, oldest first); only a full window tests."""
+    if len(history) < cfg.window:
+        return None
+    reason = spike_reason("loss", loss, [h[0] for h in history], cfg.zscore, cfg.min_rise)
+    if reason is None and cfg.grad_norm_zscore > 0:
+        reason = spike_reason("gradient norm", grad_norm, [h[1] for h in history], cfg.grad_norm_zscore,
+                              cfg.grad_norm_min_rise)
+    return reason
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _live_tensors(model, optimizer) -> list[tuple[str, torch.Tensor]]:
+    """This rank's parameter shards and optimizer state tensors, named by position, in a fixed order."""
+    out = []
+    for i, p in enumerate(model.parameters()):
+        out.append((f"param{i}", local_tensor(p)))
+        for k, v in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(v, torch.Tensor):
+                out.append((f"param{i}.{k}", local_tensor(v)))
+    return out
+
+
+class HostCopies:
+    """The newest `keep` checkpoints' model and optimizer shards (this rank's) and trainer state in host memory,
+    taken when the checkpoint is saved. restore() copies one back bitwise: the same values a read of the checkpoint
+    from disk gives, without the read."""
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.copies: OrderedDict[int, tuple[dict, dict]] = OrderedDict()
+
+    def take(self, trainer, step: int) -> None:
+        if not self.keep:
+            return
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in
+                   _live_tensors(trainer.model, trainer.optimizer)}
+        self.copies[step] = (tensors, trainer.state_dict())
+        while len(self.copies) > self.keep:
+            self.copies.popitem(last=False)
+
+    def steps(self) -> list[int]:
+        return list(self.copies)
+
+    def drop_after(self, step: int) -> None:
+        for s in [s for s in self.copies if s > step]:
+            del self.copies[s]
+
+    def restore(self, trainer, step: int) -> None:
+        tensors, state = self.copies[step]
+        if not any("." in name for name in tensors):  # taken before the first optimizer step: a fresh optimizer
+            trainer.optimizer.state.clear()
+        live = _live_tensors(trainer.model, trainer.optimizer)
+        if [n for n, _ in live] != [n for n in tensors if "." not in n or trainer.optimizer.state]:
+            raise RuntimeError(f"host copy of step {step}: the optimizer state's layout changed since it was taken")
+        with torch.no_grad():
+            for name, t in live:
+                t.copy_(tensors[name])
+        trainer.load_state_dict(state)
