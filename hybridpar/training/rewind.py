@@ -61,6 +61,8 @@ class Rewinder:
 
     def _restore(self, trainer, step: int) -> str:
         """Model, optimizer and trainer state of checkpoint `step`; returns where they came from."""
+        # The steps after it are trained again: what this rank recorded of them belongs to the pass abandoned.
+        trainer.local_stats = {k: v for k, v in trainer.local_stats.items() if k <= step}
         if step in self.copies.copies:
             self.copies.restore(trainer, step)
             return "host memory"
@@ -163,12 +165,15 @@ class Rewinder:
         def same(a, b) -> bool:
             return a == b if exact else abs(a - b) <= 1e-5 * max(abs(a), abs(b))
 
-        for k in sorted(original):
-            if rotate and k == step:  # rank r computed data-parallel rank r+1's batch: compare losses by batch
+        for k in sorted(k for k in original if original[k] is not None):
+            if rotate and k == step:
+                # Rank r computed data-parallel rank r+1's batch: losses compared by batch, exactly (the same
+                # weights and tokens); the gradient shards summed the same terms in another order: to 1e-4.
                 by_dp = {dp: stats[k][0][0] for dp, stats in everyone}  # (first pass: each rank its own)
                 differ = [r for r, (dp, stats) in enumerate(everyone)
-                          if not same(stats[k][1][0], by_dp[(dp + 1) % trainer.dp_size])]
-                what = "loss of the neighbour's batch"
+                          if not same(stats[k][1][0], by_dp[(dp + 1) % trainer.dp_size])
+                          or abs(stats[k][1][1] - stats[k][0][1]) > 1e-4 * max(stats[k][1][1], stats[k][0][1])]
+                what = "loss of its neighbour's batch or gradient-shard norm"
             else:
                 differ = [r for r, (_, stats) in enumerate(everyone)
                           if not all(same(a, b) for a, b in zip(*stats[k]))]

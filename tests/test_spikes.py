@@ -1,0 +1,154 @@
+"""Loss spikes: the test against its window (by hand), the batch numbering past skipped windows (by enumeration),
+and real runs on data with poisoned batches (hybridpar.data.drill) and with an injected fault: a rewound run equals
+a run resumed from the same checkpoint with the same batches skipped, bitwise; a rerun tells the data from a fault
+and names the rank."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import loss_curve, metrics_rows, run_cli
+from hybridpar.checkpoint.dcp import checkpoint_dir, load_full_model_state, read_trainer_state
+from hybridpar.config import Config, DataConfig, SpikeConfig, TrainConfig, merge_windows
+from hybridpar.training.spikes import batch_number, find_spike, spike_reason
+
+# -- the pieces, against hand computations ------------------------------------------------------------------------
+
+
+def test_spike_test_is_mean_plus_k_std_and_a_minimum_rise():
+    history = [5.0, 5.2, 4.8, 5.1, 4.9]
+    mean, std = statistics.mean(history), statistics.stdev(history)  # 5.0, 0.158...
+    assert spike_reason("loss", mean + 6.01 * std, history, 6.0, 0.0) is not None
+    assert spike_reason("loss", mean + 5.99 * std, history, 6.0, 0.0) is None
+    # 6.2 sigmas is only +19.6% here: a 20% minimum rise holds it back
+    assert spike_reason("loss", mean + 6.2 * std, history, 6.0, 0.2) is None
+    why = spike_reason("loss", 7.0, history, 6.0, 0.2)
+    assert why == f"loss 7 is {(7.0 - mean) / std:.1f} standard deviations above the mean 5 of the last 5 steps (+40%)"
+    # a flat window: any rise beyond min_rise is one (infinitely many sigmas)
+    assert "inf standard deviations" in spike_reason("loss", 5.6, [5.0] * 5, 6.0, 0.1)
+
+
+def test_spike_test_waits_for_a_full_window_and_tests_the_norm_when_asked():
+    cfg = SpikeConfig(window=4, zscore=3.0, min_rise=0.1)
+    history = [(5.0, 1.0), (5.1, 1.1), (4.9, 0.9), (5.0, 1.0)]
+    assert find_spike(cfg, history[:3], 50.0, 1.0) is None  # 3 of 4 steps: no test yet
+    assert find_spike(cfg, history, 50.0, 1.0).startswith("loss 50")
+    assert find_spike(cfg, history, 5.0, 100.0) is None  # the norm is not tested by default
+    assert find_spike(replace(cfg, grad_norm_zscore=3.0), history, 5.0, 100.0).startswith("gradient norm 100")
+
+
+def test_batch_numbers_skip_the_windows():
+    windows = merge_windows([(5, 7), (9, 9), (8, 8), (20, 22)])
+    assert windows == [(5, 9), (20, 22)]
+    skipped = {b for a, z in windows for b in range(a, z + 1)}
+    trained = [b for b in range(1, 100) if b not in skipped]  # by enumeration
+    assert [batch_number(k, windows) for k in range(1, 60)] == trained[:59]
+
+
+def test_bad_spike_settings_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"train.spike='on': use off, warn or rewind"):
+        TrainConfig(spike="on")
+    with pytest.raises(ValueError, match="spike.window=1 must be >= 2"):
+        SpikeConfig(window=1)
+    with pytest.raises(ValueError, match="spike.rerun='twice'"):
+        SpikeConfig(rerun="twice")
+    with pytest.raises(ValueError, match=r"data.skip_batches='9-3': a range A-B needs 1 <= A <= B"):
+        DataConfig(skip_batches=["9-3"])
+    with pytest.raises(ValueError, match=r"data.skip_batches='x': give ranges"):
+        DataConfig(skip_batches=["x"])
+    with pytest.raises(ValueError, match="train.spike=rewind goes back to a checkpoint: set --checkpoint.interval"):
+        Config(train=TrainConfig(spike="rewind"))
+
+
+# -- real runs ------------------------------------------------------------------------------------------------------
+
+STEPS, G, POISONED = 28, 8, 22
+COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", str(G), "--train.seq_len", "64",
+          "--logging.interval", "1", "--train.eval_interval", "0", "--train.sample_tokens", "0",
+          "--train.precision", "fp32", "--checkpoint.interval", "3", "--checkpoint.keep_last", "20",
+          "--logging.wandb.mode", "disabled", "--train.spike", "rewind", "--spike.window", "8", "--spike.skip", "3"]
+
+
+@pytest.fixture(scope="module")
+def poisoned(cache_dir, tmp_path_factory):
+    """The built-in corpus as an indexed copy whose global batch POISONED holds random tokens, and the arguments
+    that train on it."""
+    from hybridpar.config.cli import load_config
+    from hybridpar.data.dataset import load_data_tokenizer, prepare_builtin
+    from hybridpar.data.drill import poison_batches
+
+    d = DataConfig(cache_dir=str(cache_dir))
+    tokenizer = load_data_tokenizer(d)
+    prefix, _ = prepare_builtin(d, tokenizer)
+    tok_file = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tokenizer.save(tok_file.parent)
+    out = tmp_path_factory.mktemp("poisoned") / "data"
+    args = [*COMMON, "--data.cache_dir", str(cache_dir), "--data.tokenizer", f"bpe:{tok_file}"]
+    cfg = load_config([*args, "--data.path", prefix, "--model.vocab_size", "4096"])
+    assert poison_batches(cfg, [POISONED], str(out)) >= G * 64  # every token of the batch's 8 samples, at least
+    return [*args, "--data.path", str(out)]
+
+
+def _run(args, run_dir, nproc=1, drill=None):
+    script = ["tests/fault_drill.py", *map(str, drill)] if drill else ["launch/pretrain_gpt.py"]
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+    out = run_cli([*launch, *script, *args, "--run.dir", str(run_dir)])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return out
+
+
+def _assert_same_run(a, b, from_step):
+    got, want = loss_curve(a), loss_curve(b)
+    assert {s: got[s] for s in want if s > from_step} == {s: want[s] for s in want if s > from_step}
+    wa, wb = load_full_model_state(checkpoint_dir(a, STEPS)), load_full_model_state(checkpoint_dir(b, STEPS))
+    assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
+
+
+@pytest.mark.multiprocess
+def test_a_rewound_run_equals_a_resume_with_the_batches_skipped(poisoned, tmp_path):
+    a = tmp_path / "rewound"
+    out = _run(poisoned, a)
+    rewinds = [r for r in metrics_rows(a) if "rewind" in r]
+    # The poisoned batch spikes the loss; the rewind goes to the newest checkpoint before the 3 skipped batches.
+    assert [(r["step"], r["rewind_to"], r["skipped_batches"], r["samples_skipped"], r["rewind_source"])
+            for r in rewinds] == [(POISONED, 18, "20-22", 3 * G, "host memory")], out.stdout[-3000:]
+    assert json.loads((a / "skipped_batches.json").read_text()) == {"windows": [[20, 22]], "rewinds": 1}
+    state = read_trainer_state(checkpoint_dir(a, STEPS))
+    assert state["skip_windows"] == [[20, 22]] and state["rewinds"] == 1 and state["consumed_samples"] == STEPS * G
+    # The checkpoint it went back to, alone (not beside the run's skipped_batches.json), resumed with the same
+    # batches skipped by hand: the same losses and final weights, bitwise.
+    (tmp_path / "copy").mkdir()
+    start = shutil.copytree(checkpoint_dir(a, 18), tmp_path / "copy" / "step_00000018")
+    b = tmp_path / "resumed"
+    _run([*poisoned, "--checkpoint.load", str(start), "--data.skip_batches", "20-22"], b)
+    _assert_same_run(a, b, 18)
+    assert not any("rewind" in r for r in metrics_rows(b))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("rerun", ["same", "rotate"])
+def test_rerun_tells_a_fault_from_the_data_and_names_the_rank(rerun, poisoned, tmp_path):
+    """Two ranks (FSDP over 2). Rank 1's gradient shards are multiplied by 1000 once, in step 10 (a transient fault);
+    batch 22 holds random tokens. The rerun of step 10 differs on rank 1 only: training goes on from the replayed
+    step, nothing skipped. The rerun of step 22 gives the same numbers: the data; its batches are skipped. What
+    remains equals a run that never had the fault, with those batches skipped by hand, bitwise."""
+    flags = [*poisoned, "--spike.rerun", rerun, "--spike.grad_norm_zscore", "20", "--spike.grad_norm_min_rise", "20"]
+    a = tmp_path / "drill"
+    out = _run(flags, a, nproc=2, drill=(1, 10, 1000.0))
+    rows = metrics_rows(a)
+    faults = [(r["step"], r["fault"]) for r in rows if "fault" in r]
+    what = "loss of its neighbour's batch or gradient-shard norm" if rerun == "rotate" else \
+        "loss share or gradient-shard norm"
+    assert faults == [(10, f"step 10: rank(s) 1 computed another {what}")], out.stdout[-3000:]
+    assert [(r["step"], r["skipped_batches"]) for r in rows if "rewind" in r] == [(POISONED, "20-22")]
+    b = tmp_path / "clean"
+    _run([*flags, "--data.skip_batches", "20-22"], b, nproc=2)
+    _assert_same_run(a, b, 0)
+    assert [r for r in metrics_rows(b) if "fault" in r or "rewind" in r] == []
