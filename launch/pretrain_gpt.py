@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from hybridpar.checkpoint.dcp import CheckpointHook, Checkpointer
 from hybridpar.config import Config, merge_windows
 from hybridpar.config.cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.errors import UserError
-from hybridpar.parallel.distributed import shutdown, world_from_env
+from hybridpar.parallel.distributed import shutdown, watch_agent, world_from_env
 from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult, start_trainer
 from hybridpar.training.rewind import SKIPPED_FILE, Rewinder, SpikeLimit, read_skipped
 from hybridpar.training.spikes import HostCopies
@@ -29,6 +30,7 @@ from hybridpar.training.microbatch import StopMidStep
 
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/SIGINT after saving: requeue me (EX_TEMPFAIL)
 EXIT_ABORTED = 76  # a second signal arrived while the preemption save was running
+EXIT_ORPHANED = 77  # the torchrun agent that started this worker died: stopped at once, nothing more written
 # Stopped by a signal with nothing saved (checkpoint.interval 0): 128 + the signal's number, the shell's convention
 # for "ended by a signal", so that a requeue wrapper waiting for 75 does not restart the run from step 0.
 PREEMPTED = "PREEMPTED"  # <run.dir>/PREEMPTED: written when the run saved and stopped on a signal
@@ -82,6 +84,15 @@ def main(cfg: Config, hooks=()) -> TrainResult:
     """Train with `cfg` on the processes the launcher started (one without a launcher); `hooks` are added to the
     trainer's (hybridpar.trainer.Hook: drills and extra logging)."""
     run = trainer = None
+
+    def orphaned(why: str) -> None:
+        print(f"rank {world_from_env().rank}: {why}: exiting at once, writing nothing more (the latest complete "
+              f"checkpoint stands; start the job again to resume)", file=sys.stderr, flush=True)
+        if run is not None and run.lock is not None:
+            run.lock.release()  # (rank 0) so that the restarted run can take the run dir
+        os._exit(EXIT_ORPHANED)
+
+    watch_agent(orphaned)
     try:
         # Resolve (every derivation and check; the run dir's lock taken), then mesh, data and model.
         trainer = start_trainer(cfg, own_run_dir=True)
@@ -94,9 +105,11 @@ def main(cfg: Config, hooks=()) -> TrainResult:
         trainer.hooks.extend(hooks)
         if rewinding:
             trainer.rewinder = Rewinder(checkpointer, copies)
-        data_changes = []
+        data_changes, read_seconds = [], 0.0
         if load_from is not None:
+            t0 = time.perf_counter()
             data_changes = checkpointer.load(trainer, load_from, weights_only=cfg.checkpoint.load_weights_only)
+            read_seconds = time.perf_counter() - t0
             if not cfg.checkpoint.load_weights_only:  # rewinds of that run since its checkpoint was written
                 windows, rewinds = read_skipped(load_from.parent.parent)
                 trainer.skip_windows = merge_windows(trainer.skip_windows + windows)
@@ -129,7 +142,8 @@ def main(cfg: Config, hooks=()) -> TrainResult:
                                   f"again from step 0 (its metrics.jsonl replaced)")
             if load_from is not None:
                 what = "weights of" if cfg.checkpoint.load_weights_only else "resuming from"
-                trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples)")
+                trainer.log.print(f"{what} {load_from} (step {trainer.step}, {trainer.consumed_samples:,} samples; "
+                                  f"read in {read_seconds:.2f}s)")
                 was, now = run.run_state.get("cpu_threads"), torch.get_num_threads()
                 if not cfg.checkpoint.load_weights_only and device.type == "cpu" and was and was != now:
                     trainer.log.print(f"note: {load_from.name} was written by a CPU run with {was} intra-op threads "

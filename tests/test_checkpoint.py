@@ -81,7 +81,7 @@ def test_kill_9_and_resume_is_bitwise_exact(kill_point, reference, tmp_path, cac
     out = run_cli(_args(cache_dir, run_dir))  # same command: resumes from the latest complete checkpoint
     assert out.returncode == 0, out.stderr[-3000:]
     n = step_of(resume_from)
-    assert f"resuming from {resume_from} (step {n}, {n * 8} samples)" in out.stdout  # global batch 8
+    assert f"resuming from {resume_from} (step {n}, {n * 8} samples; read in " in out.stdout  # global batch 8
     # The data position survives the resume: the final checkpoint has consumed steps x global batch samples.
     assert read_trainer_state(checkpoint_dir(run_dir, STEPS)) == {"step": STEPS, "consumed_samples": STEPS * 8,
                                                                   "skipped": 0, "skip_streak": 0}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+import time
 from datetime import timedelta
 from dataclasses import dataclass
 
@@ -169,6 +171,24 @@ def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
     """This rank's index in the flattened data-parallel axes (dp_replicate x dp_shard), and their size."""
     r, s = mesh["dp_replicate"], mesh["dp_shard"]
     return r.get_local_rank() * s.size() + s.get_local_rank(), r.size() * s.size()
+
+
+def watch_agent(on_gone, interval: float = 0.5) -> bool:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), call on_gone(why) from a daemon thread once the agent that started
+    this worker is gone: torchrun starts each worker in a session of its own, so an agent killed with SIGKILL (the
+    OOM killer, a scheduler's hard kill) leaves its workers running, and training into the run dir beside the run a
+    restart starts. The agent's death shows as this process being re-parented. Returns whether it watches."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    agent = os.getppid()
+
+    def watch():
+        while os.getppid() == agent:
+            time.sleep(interval)
+        on_gone(f"the torchrun agent (pid {agent}) that started this worker is gone")
+
+    threading.Thread(target=watch, name="hybridpar-agent-watch", daemon=True).start()
+    return True
 
 
 def shutdown() -> None:
