@@ -107,6 +107,10 @@ def measure(args) -> dict:
     t_step, step_line = second.wait_for(r"first step done in")
     second.kill()
     shutil.rmtree(work, ignore_errors=True)
+    if args.verbose:
+        for t, line in second.lines:
+            if t <= t_step:
+                print(f"{t - killed:7.2f}s  {line[:110]}")
     return {
         "model": args.model, "nproc": args.nproc, "batch": args.batch, "seq_len": args.seq_len,
         "restart_to_first_line": t_first_line - killed,
@@ -127,6 +131,7 @@ def main() -> int:
     p.add_argument("--interval", type=int, default=2, help="checkpoint.interval of the killed run")
     p.add_argument("--after", type=float, default=0.5, help="seconds between the checkpoint and the kill")
     p.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/hybridpar"))
+    p.add_argument("--verbose", action="store_true", help="print the restarted job's lines with their times")
     p.add_argument("--out", help="append the result as a JSON line to this file")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py arguments (after --)")
     args = p.parse_args()

@@ -53,6 +53,9 @@ from hybridpar.parallel.startup import build_parallel_model
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
+LOCAL_STATS_STEPS = 10_000  # steps of this rank's own numbers kept for spike.rerun (a rerun compares those it has)
+
+
 class TrainingDiverged(RuntimeError):
     """Too many non-finite steps in a row, or a loss spike after spike.max_rewinds rewinds."""
 
@@ -187,15 +190,19 @@ class Trainer:
         """data.skip_batches names batches still to come (after the one the run's position has trained: a checkpoint
         at step k has trained batch_number(k, its windows)), and the split holds every batch train.steps needs."""
         done = batch_number(self.step, saved) if self.step else 0
+        error = None
         for a, b in self.cfg.data.skip_windows:
             if a <= done and not any(x <= a and b <= y for x, y in saved):
-                raise ConfigError(f"data.skip_batches: batch {a} was trained already (the run is at step "
-                                  f"{self.step}, batch {done}); skip batches after {done}")
+                error = ConfigError(f"data.skip_batches: batch {a} was trained already (the run is at step "
+                                    f"{self.step}, batch {done}); skip batches after {done}")
         need, have = batch_number(self.cfg.train.steps, self.skip_windows), self.data.train.n_steps
         if need > have:
-            raise ConfigError(f"data.skip_batches: train.steps={self.cfg.train.steps} past the skipped batches "
-                              f"would end at batch {need}, but the train split holds {have}: skip fewer batches "
-                              f"or lower train.steps")
+            error = ConfigError(f"data.skip_batches: train.steps={self.cfg.train.steps} past the skipped batches "
+                                f"would end at batch {need}, but the train split holds {have}: skip fewer batches "
+                                f"or lower train.steps")
+        if error is not None:
+            error.on_every_rank = True  # (every rank checks the same numbers: said once)
+            raise error
 
     def _gpu_notes(self, cfg: Config) -> None:
         """What a GPU run should know at start, once."""
@@ -293,6 +300,7 @@ class Trainer:
         stats = self.local_stats.get(step)
         if isinstance(stats, torch.Tensor):
             self.local_stats[step] = tuple(stats.tolist())
+            self.local_stats.pop(step - LOCAL_STATS_STEPS, None)
         finite = math.isfinite(norm_value)
         if finite and loss_value:
             self._test_spike(step, loss_value[0], norm_value)

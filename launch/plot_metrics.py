@@ -1,5 +1,6 @@
 """Plot the metrics of one or more runs (their metrics.jsonl), overlaid: loss, validation loss, learning rate,
-tokens/s and MFU, against step and against tokens.
+tokens/s and MFU, against step and against tokens; a spike rewind (train.spike=rewind) is a dashed line, the steps
+it abandoned faint dots.
 
     python launch/plot_metrics.py runs/a runs/b --out plots.png
 
@@ -79,11 +80,27 @@ def plot(run_dirs: list[Path], out: Path) -> None:
             for name, rows in runs.items():
                 tokens_per_step = next((r["consumed_tokens"] / r["step"] for r in rows
                                         if r.get("consumed_tokens") and r.get("step")), None)
-                pts = [(r["step"] if xkey == "step" else r["step"] * (tokens_per_step or 0), r[key])
-                       for r in rows if key in r and r[key] is not None]
+                scale = 1 if xkey == "step" else tokens_per_step or 0
+                # A rewind trains steps again: the run's curve is each step's last row; the rows it replaced
+                # (the pass abandoned) are faint dots, and each rewind a dashed line at the step that spiked.
+                last: dict[int, float] = {}
+                abandoned = []
+                for r in rows:
+                    if key in r and r[key] is not None:
+                        if r["step"] in last:
+                            abandoned.append((r["step"] * scale, last[r["step"]]))
+                        last[r["step"]] = r[key]
+                pts = sorted((s * scale, v) for s, v in last.items())
                 if pts:
-                    ax.plot(*zip(*pts), label=Path(name).name,
-                            marker="." if key == "val_loss" or key.startswith("eval/") else None)
+                    line, = ax.plot(*zip(*pts), label=Path(name).name,
+                                    marker="." if key == "val_loss" or key.startswith("eval/") else None)
+                    if abandoned:
+                        ax.plot(*zip(*abandoned), ".", color=line.get_color(), alpha=0.35, markersize=4)
+                    for r in rows:
+                        if key == "loss" and "rewind" in r:
+                            ax.axvline(r["step"] * scale, color=line.get_color(), linestyle="--", alpha=0.5)
+                            ax.annotate(f"rewind to {r['rewind_to']}", (r["step"] * scale, max(last.values())),
+                                        fontsize=7, rotation=90, va="top", ha="right", color=line.get_color())
             if not ax.lines:
                 ax.text(0.5, 0.5, "not recorded (e.g. MFU on a device without a known peak)", ha="center",
                         va="center", transform=ax.transAxes, color="gray")

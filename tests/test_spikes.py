@@ -6,16 +6,20 @@ and names the rank."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 
-from conftest import loss_curve, metrics_rows, run_cli
-from hybridpar.checkpoint.dcp import checkpoint_dir, load_full_model_state, read_trainer_state
+from conftest import ROOT, loss_curve, metrics_rows, run_cli, user_env
+from hybridpar.checkpoint.dcp import (checkpoint_dir, list_checkpoints, load_full_model_state, read_trainer_state,
+                                      step_of)
 from hybridpar.config import Config, DataConfig, SpikeConfig, TrainConfig, merge_windows
 from hybridpar.training.spikes import batch_number, find_spike, spike_reason
 
@@ -76,10 +80,9 @@ COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", str(G), "--t
           "--logging.wandb.mode", "disabled", "--train.spike", "rewind", "--spike.window", "8", "--spike.skip", "3"]
 
 
-@pytest.fixture(scope="module")
-def poisoned(cache_dir, tmp_path_factory):
-    """The built-in corpus as an indexed copy whose global batch POISONED holds random tokens, and the arguments
-    that train on it."""
+def _poison(cache_dir, out, args):
+    """The built-in corpus as an indexed copy whose global batch POISONED holds random tokens in the sample order
+    of a run with `args`; returns the arguments that train on it."""
     from hybridpar.config.cli import load_config
     from hybridpar.data.dataset import load_data_tokenizer, prepare_builtin
     from hybridpar.data.drill import poison_batches
@@ -87,20 +90,23 @@ def poisoned(cache_dir, tmp_path_factory):
     d = DataConfig(cache_dir=str(cache_dir))
     tokenizer = load_data_tokenizer(d)
     prefix, _ = prepare_builtin(d, tokenizer)
-    tok_file = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tokenizer.save(tok_file.parent)
-    out = tmp_path_factory.mktemp("poisoned") / "data"
-    args = [*COMMON, "--data.cache_dir", str(cache_dir), "--data.tokenizer", f"bpe:{tok_file}"]
+    tokenizer.save(out)
+    args = [*args, "--data.cache_dir", str(cache_dir), "--data.tokenizer", f"bpe:{out / 'tokenizer.json'}"]
     cfg = load_config([*args, "--data.path", prefix, "--model.vocab_size", "4096"])
-    assert poison_batches(cfg, [POISONED], str(out)) >= G * 64  # every token of the batch's 8 samples, at least
-    return [*args, "--data.path", str(out)]
+    assert poison_batches(cfg, [POISONED], str(out / "data")) >= G * 64  # every token of its 8 samples, at least
+    return [*args, "--data.path", str(out / "data")]
 
 
-def _run(args, run_dir, nproc=1, drill=None):
+@pytest.fixture(scope="module")
+def poisoned(cache_dir, tmp_path_factory):
+    return _poison(cache_dir, tmp_path_factory.mktemp("poisoned"), COMMON)
+
+
+def _run(args, run_dir, nproc=1, drill=None, code=0):
     script = ["tests/fault_drill.py", *map(str, drill)] if drill else ["launch/pretrain_gpt.py"]
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     out = run_cli([*launch, *script, *args, "--run.dir", str(run_dir)])
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.returncode == code, out.stdout[-2000:] + out.stderr[-3000:]
     return out
 
 
@@ -111,14 +117,23 @@ def _assert_same_run(a, b, from_step):
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
 
 
-@pytest.mark.multiprocess
-def test_a_rewound_run_equals_a_resume_with_the_batches_skipped(poisoned, tmp_path):
-    a = tmp_path / "rewound"
+def _rewinds(run_dir):
+    return [(r["step"], r["rewind_to"], r["skipped_batches"], r["samples_skipped"], r["rewind_source"])
+            for r in metrics_rows(run_dir) if "rewind" in r]
+
+
+@pytest.fixture(scope="module")
+def rewound(poisoned, tmp_path_factory):
+    a = tmp_path_factory.mktemp("rewound") / "run"
     out = _run(poisoned, a)
-    rewinds = [r for r in metrics_rows(a) if "rewind" in r]
     # The poisoned batch spikes the loss; the rewind goes to the newest checkpoint before the 3 skipped batches.
-    assert [(r["step"], r["rewind_to"], r["skipped_batches"], r["samples_skipped"], r["rewind_source"])
-            for r in rewinds] == [(POISONED, 18, "20-22", 3 * G, "host memory")], out.stdout[-3000:]
+    assert _rewinds(a) == [(POISONED, 18, "20-22", 3 * G, "host memory")], out.stdout[-3000:]
+    return a
+
+
+@pytest.mark.multiprocess
+def test_a_rewound_run_equals_a_resume_with_the_batches_skipped(rewound, poisoned, tmp_path):
+    a = rewound
     assert json.loads((a / "skipped_batches.json").read_text()) == {"windows": [[20, 22]], "rewinds": 1}
     state = read_trainer_state(checkpoint_dir(a, STEPS))
     assert state["skip_windows"] == [[20, 22]] and state["rewinds"] == 1 and state["consumed_samples"] == STEPS * G
@@ -130,6 +145,56 @@ def test_a_rewound_run_equals_a_resume_with_the_batches_skipped(poisoned, tmp_pa
     _run([*poisoned, "--checkpoint.load", str(start), "--data.skip_batches", "20-22"], b)
     _assert_same_run(a, b, 18)
     assert not any("rewind" in r for r in metrics_rows(b))
+    # A batch the checkpoint has trained already cannot be skipped: one line, nothing written.
+    out = run_cli(["launch/pretrain_gpt.py", *poisoned, "--checkpoint.load", str(start), "--data.skip_batches", "5",
+                   "--run.dir", str(tmp_path / "late")])
+    assert out.returncode == 2 and out.stderr.strip() == ("error: data.skip_batches: batch 5 was trained already "
+                                                         "(the run is at step 18, batch 18); skip batches after 18")
+    assert not (tmp_path / "late" / "metrics.jsonl").exists()
+
+
+@pytest.mark.multiprocess
+def test_a_rewind_from_disk_equals_one_from_host_memory(rewound, poisoned, tmp_path):
+    d = tmp_path / "disk"
+    _run([*poisoned, "--spike.keep_in_memory", "0"], d)
+    assert _rewinds(d) == [(POISONED, 18, "20-22", 3 * G, "disk")]
+    _assert_same_run(rewound, d, 0)
+
+
+@pytest.mark.multiprocess
+def test_killed_after_a_rewind_the_resume_does_not_train_the_skipped_batches(rewound, poisoned, tmp_path):
+    """Checkpoints every 9 steps: the rewind at step 22 goes back to 18 and the next save is at 27. The run is
+    killed between the two; the same command resumes from 18 with the skipped batches of skipped_batches.json."""
+    run_dir, args = tmp_path / "run", [*poisoned, "--checkpoint.interval", "9"]
+    with open(tmp_path / "console.txt", "w") as log:
+        proc = subprocess.Popen([sys.executable, "launch/pretrain_gpt.py", *args, "--run.dir", str(run_dir)],
+                                cwd=ROOT, env=user_env(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not (
+                (run_dir / "metrics.jsonl").exists() and any("rewind" in r for r in _rows(run_dir))):
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert [step_of(p) for p in list_checkpoints(run_dir)] == [9, 18], (tmp_path / "console.txt").read_text()
+    _run(args, run_dir)
+    _assert_same_run(rewound, run_dir, 0)
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+
+
+@pytest.mark.multiprocess
+def test_warn_trains_on_and_a_spike_past_max_rewinds_stops_the_run(poisoned, cache_dir, tmp_path):
+    warn = _poison(cache_dir, tmp_path / "warn-data", [*COMMON, "--train.spike", "warn"])
+    _run(warn, tmp_path / "warn")
+    rows = metrics_rows(tmp_path / "warn")
+    assert [r["step"] for r in rows if "spike" in r] == [POISONED] and not any("rewind" in r for r in rows)
+    assert max(loss_curve(tmp_path / "warn")) == STEPS
+    out = _run([*poisoned, "--spike.max_rewinds", "0"], tmp_path / "limit", code=3)
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        f"error: loss spike at step {POISONED} (loss ") and "after 0 rewind(s), spike.max_rewinds=0: stopping" in \
+        out.stderr
 
 
 @pytest.mark.multiprocess

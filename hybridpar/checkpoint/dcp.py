@@ -8,7 +8,8 @@ state-dict helpers strip FSDP, activation-checkpoint and compile wrappers.
 Layout of a run directory:
     <run.dir>/checkpoints/step_00000200/
         .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": Trainer.state_dict() (step,
-                                        consumed_samples, skipped, skip_streak) and data_key, the data
+                                        consumed_samples, skipped, skip_streak, the skipped batches, the spike
+                                        test's window, rewinds, lr_scale_until) and data_key, the data
                                         settings' CRC-32 (resume_checks.data_key)}
         config.yaml, tokenizer.*        what sampling or resuming needs besides tensors
         run_state.json                  the W&B run id (a resumed run logs into the same W&B run), the
@@ -259,7 +260,8 @@ class Checkpointer:
         checkpoint.allow_data_change); raises CheckpointError (nothing loaded) if they changed without it."""
         check_model_config(path, trainer.cfg)
         changes = [] if weights_only else data_changes(path, trainer.cfg, trainer.tokenizer.fingerprint)
-        saved_key = None if weights_only else read_trainer_state(path, True).get("data_key")  # older: none
+        metadata = read_metadata(path)  # read once; a crafted or damaged checkpoint fails here, as a one-line error
+        saved_key = None if weights_only else read_trainer_state(path, True, metadata).get("data_key")  # older: none
         if not changes and saved_key is not None and saved_key != data_key(trainer.cfg):
             changes = ["one of train.seed, train.seq_len, data.path, data.split, data.tokenizer (the checkpoint has "
                        "no config.yaml to name which)"]
@@ -267,7 +269,6 @@ class Checkpointer:
             raise CheckpointError(f"resuming from {path} with other data settings ({'; '.join(changes)}): the "
                                   f"saved data position would index other samples; restore them, start a new "
                                   f"run with --run.name NAME, or pass --checkpoint.allow_data_change true")
-        metadata = read_metadata(path)  # a crafted or damaged checkpoint fails here, as a one-line error
         saved = metadata.state_dict_metadata
         _check_shapes(path, saved, get_model_state_dict(trainer.model))
         with_optim = not weights_only and any(k.startswith("optim.") for k in saved)  # a seed checkpoint has none
@@ -277,7 +278,12 @@ class Checkpointer:
                 raise CheckpointError(f"{path} holds {was} optimizer state and this run has optim.name="
                                       f"{trainer.cfg.optim.name}; resume with --optim.name {was}, or start from its "
                                       f"weights with --checkpoint.load_weights_only true")
-            state = dict(zip(("model", "optim"), get_state_dict(trainer.model, trainer.optimizer)))
+            model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+            # Only the optimizer's tensors are read: its hyperparameters are this run's choice (its config, the
+            # device), and reading the saved ones (a pickled value per parameter and setting) was most of a small
+            # model's resume time.
+            groups = optim_sd["param_groups"]
+            state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         else:
             state = {"model": get_model_state_dict(trainer.model)}
         if not weights_only:
@@ -288,11 +294,12 @@ class Checkpointer:
         if not with_optim:
             set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=True))
         else:
-            # Hyperparameters and the kernel are this run's choice (its config, the device), not the saved run's: a
-            # CPU run's checkpoint resumed on a GPU, or with another optim.fused, keeps the kernel it was built with.
+            # Hyperparameters and the kernel are this run's choice, not the saved run's: a CPU run's checkpoint
+            # resumed on a GPU, or with another optim.fused, keeps the kernel it was built with.
             chosen = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
             set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+                           optim_state_dict={"state": state["optim"]["state"], "param_groups": groups},
+                           options=StateDictOptions(strict=True))
             for group, settings in zip(trainer.optimizer.param_groups, chosen):
                 group.update(settings)
         if weights_only:
@@ -361,12 +368,12 @@ def load_model_weights(model: nn.Module, path: Path) -> None:
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
 
-def read_trainer_state(path: Path, with_data_key: bool = False) -> dict:
+def read_trainer_state(path: Path, with_data_key: bool = False, metadata=None) -> dict:
     """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped, skip_streak, rewinds,
     lr_scale_until as ints, skip_windows and spike_history as lists (the older fields only, in older checkpoints);
     with with_data_key also the data settings' key (resume_checks.data_key) where the checkpoint has one."""
     state: dict = {}
-    _safe_load(state, path, SafeEmptyLoadPlanner(keys={"trainer"}), no_dist=True)
+    _safe_load(state, path, SafeEmptyLoadPlanner(keys={"trainer"}), metadata, no_dist=True)
     return {k: v.tolist() if v.dim() else int(v) for k, v in state["trainer"].items()
             if with_data_key or k != "data_key"}
 

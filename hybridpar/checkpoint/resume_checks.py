@@ -19,7 +19,7 @@ def read_checkpoint_config(path: Path) -> dict | None:
     if not cfg_file.is_file():
         return None
     try:
-        saved = yaml.safe_load(cfg_file.read_text())
+        saved = yaml.load(cfg_file.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         first = str(e).strip().splitlines()[0]
         raise CheckpointError(f"{cfg_file} is not a config hybridpar wrote ({first}); restore it from the run's "

@@ -9,7 +9,6 @@ skipped), and nowhere else.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 

@@ -16,7 +16,6 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from hybridpar.checkpoint.dcp import checkpoint_dir, list_checkpoints, step_of
@@ -71,6 +70,7 @@ class Rewinder:
 
     def rewind(self, trainer) -> None:
         trainer.settle()
+        self.checkpointer.wait()  # an async save in flight completes before checkpoints are chosen or removed
         step, why = trainer.spike
         trainer.spike = None
         cfg = trainer.cfg.spike
