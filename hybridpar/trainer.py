@@ -145,7 +145,7 @@ class Trainer:
         self.local_stats: dict[int, tuple[float, float]] = {}  # step -> this rank's (loss share, grad shard norm^2)
         self.replaying = False  # a rerun of steps already trained (spike.rerun): nothing logged, nothing tested
         self.rotate_data = False  # spike.rerun=rotate: this step, each data-parallel rank takes its neighbour's batch
-        self.rewinder = None  # set by the launcher (hybridpar.training.rewind.Rewinder) when train.spike=rewind
+        self.rewinder = None  # set by the launcher (hybridpar.checkpoint.rewind.Rewinder) when train.spike=rewind
         self.data.train.order = lambda step: batch_number(step + 1, self.skip_windows) - 1
         self.check_skips([])
         # Set by a signal handler; acted on at the end of the step (after the current microbatch when no checkpoint

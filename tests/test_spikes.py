@@ -90,6 +90,7 @@ def _poison(cache_dir, out, args):
     d = DataConfig(cache_dir=str(cache_dir))
     tokenizer = load_data_tokenizer(d)
     prefix, _ = prepare_builtin(d, tokenizer)
+    out.mkdir(parents=True, exist_ok=True)
     tokenizer.save(out)
     args = [*args, "--data.cache_dir", str(cache_dir), "--data.tokenizer", f"bpe:{out / 'tokenizer.json'}"]
     cfg = load_config([*args, "--data.path", prefix, "--model.vocab_size", "4096"])
