@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ROOT, loss_curve, metrics_rows, run_cli, user_env
+from conftest import ROOT, loss_curve, metrics_rows, run_cli, step_rows, user_env
 from hybridpar.checkpoint.dcp import (checkpoint_dir, list_checkpoints, load_full_model_state, read_trainer_state,
                                       step_of)
 from hybridpar.config import Config, DataConfig, SpikeConfig, TrainConfig, merge_windows
@@ -186,12 +186,17 @@ def _rows(run_dir):
 
 
 @pytest.mark.multiprocess
-def test_warn_trains_on_and_a_spike_past_max_rewinds_stops_the_run(poisoned, cache_dir, tmp_path):
+def test_warn_lr_scale_and_a_spike_past_max_rewinds(rewound, poisoned, cache_dir, tmp_path):
     warn = _poison(cache_dir, tmp_path / "warn-data", [*COMMON, "--train.spike", "warn"])
     _run(warn, tmp_path / "warn")
     rows = metrics_rows(tmp_path / "warn")
     assert [r["step"] for r in rows if "spike" in r] == [POISONED] and not any("rewind" in r for r in rows)
     assert max(loss_curve(tmp_path / "warn")) == STEPS
+    # The learning rate after a rewind: x 0.5 for the 3 steps after the checkpoint, then the schedule again.
+    scaled = tmp_path / "scaled"
+    _run([*poisoned, "--spike.lr_scale", "0.5", "--spike.lr_steps", "3"], scaled)
+    lr, want = {r["step"]: r["lr"] for r in metrics_rows(scaled) if "loss" in r}, step_rows(rewound)
+    assert [lr[s] for s in range(17, 24)] == [want[s]["lr"] * (0.5 if s in (19, 20, 21) else 1) for s in range(17, 24)]
     out = _run([*poisoned, "--spike.max_rewinds", "0"], tmp_path / "limit", code=3)
     assert out.stderr.strip().splitlines()[-1].startswith(
         f"error: loss spike at step {POISONED} (loss ") and "after 0 rewind(s), spike.max_rewinds=0: stopping" in \
