@@ -157,9 +157,15 @@ def test_a_rewound_run_equals_a_resume_with_the_batches_skipped(rewound, poisone
 @pytest.mark.multiprocess
 def test_a_rewind_from_disk_equals_one_from_host_memory(rewound, poisoned, tmp_path):
     d = tmp_path / "disk"
-    _run([*poisoned, "--spike.keep_in_memory", "0"], d)
+    _run([*poisoned, "--spike.keep_in_memory", "0", "--logging.wandb.mode", "offline"], d)
     assert _rewinds(d) == [(POISONED, 18, "20-22", 3 * G, "disk")]
     _assert_same_run(rewound, d, 0)
+    # W&B, whose step only grows, has each step once (the first pass) and the rewind at the spiking step.
+    from wandb_file import history
+
+    rows = history(next(d.glob("wandb/offline-run-*/run-*.wandb")))
+    assert [r["_step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [(r["_step"], r["rewind_to"], r["rewind_source"]) for r in rows if "rewind" in r] == [(POISONED, 18, "disk")]
 
 
 @pytest.mark.multiprocess
