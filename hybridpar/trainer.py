@@ -38,7 +38,8 @@ from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_tar
                                            forward_backward_no_pipelining, logits_loss)
 from hybridpar.models import count_params
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
-from hybridpar.training.spikes import local_tensor, batch_number, find_spike, windows_of, windows_tensor
+from hybridpar.training.spikes import (batch_number, check_skips, find_spike, local_tensor, windows_of,
+                                       windows_tensor)
 from hybridpar.config import merge_windows
 from hybridpar.inference.evaluate import Scorer, metrics_row, run_task, summary
 from hybridpar.inference.generate import Sampling, generate
@@ -187,19 +188,8 @@ class Trainer:
         self.rewinds, self.lr_scale_until = int(state.get("rewinds", 0)), int(state.get("lr_scale_until", 0))
 
     def check_skips(self, saved: list[tuple[int, int]]) -> None:
-        """data.skip_batches names batches still to come (after the one the run's position has trained: a checkpoint
-        at step k has trained batch_number(k, its windows)), and the split holds every batch train.steps needs."""
-        done = batch_number(self.step, saved) if self.step else 0
-        error = None
-        for a, b in self.cfg.data.skip_windows:
-            if a <= done and not any(x <= a and b <= y for x, y in saved):
-                error = ConfigError(f"data.skip_batches: batch {a} was trained already (the run is at step "
-                                    f"{self.step}, batch {done}); skip batches after {done}")
-        need, have = batch_number(self.cfg.train.steps, self.skip_windows), self.data.train.n_steps
-        if need > have:
-            error = ConfigError(f"data.skip_batches: train.steps={self.cfg.train.steps} past the skipped batches "
-                                f"would end at batch {need}, but the train split holds {have}: skip fewer batches "
-                                f"or lower train.steps")
+        """data.skip_batches against the position (hybridpar.training.spikes.check_skips), on every rank alike."""
+        error = check_skips(self.cfg, self.step, saved, self.skip_windows, self.data.train.n_steps)
         if error is not None:
             error.on_every_rank = True  # (every rank checks the same numbers: said once)
             raise error

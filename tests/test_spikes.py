@@ -21,7 +21,7 @@ from conftest import ROOT, loss_curve, metrics_rows, run_cli, step_rows, user_en
 from hybridpar.checkpoint.dcp import (checkpoint_dir, list_checkpoints, load_full_model_state, read_trainer_state,
                                       step_of)
 from hybridpar.config import Config, DataConfig, SpikeConfig, TrainConfig, merge_windows
-from hybridpar.training.spikes import batch_number, find_spike, spike_reason
+from hybridpar.training.spikes import batch_number, check_skips, find_spike, spike_reason
 
 # -- the pieces, against hand computations ------------------------------------------------------------------------
 
@@ -54,6 +54,17 @@ def test_batch_numbers_skip_the_windows():
     skipped = {b for a, z in windows for b in range(a, z + 1)}
     trained = [b for b in range(1, 100) if b not in skipped]  # by enumeration
     assert [batch_number(k, windows) for k in range(1, 60)] == trained[:59]
+
+
+def test_skipped_batches_must_be_ahead_and_fit_the_split():
+    cfg = Config(train=TrainConfig(steps=10), data=DataConfig(skip_batches=["5-9"]))
+    windows = cfg.data.skip_windows
+    assert check_skips(cfg, 0, [], windows, 15) is None  # steps 1-10 train batches 1-4 and 10-15
+    assert str(check_skips(cfg, 0, [], windows, 14)) == ("data.skip_batches: train.steps=10 past the skipped "
+                                                         "batches would end at batch 15, but the train split holds "
+                                                         "14: skip fewer batches or lower train.steps")
+    assert "batch 5 was trained already (the run is at step 6, batch 6)" in str(check_skips(cfg, 6, [], windows, 15))
+    assert check_skips(cfg, 6, [(5, 9)], windows, 15) is None  # the checkpoint skipped them already
 
 
 def test_bad_spike_settings_are_one_line_errors():

@@ -15,6 +15,7 @@ from collections import OrderedDict
 import torch
 
 from hybridpar.config import SpikeConfig, merge_windows
+from hybridpar.errors import ConfigError
 
 
 def batch_number(step: int, windows: list[tuple[int, int]]) -> int:
@@ -37,6 +38,23 @@ def windows_tensor(windows: list[tuple[int, int]]) -> torch.Tensor:
 
 def windows_of(t: torch.Tensor) -> list[tuple[int, int]]:
     return merge_windows((int(a), int(b)) for a, b in t.reshape(-1, 2).tolist())
+
+
+def check_skips(cfg, step: int, saved, windows, n_batches: int) -> ConfigError | None:
+    """What is wrong with data.skip_batches at a run's position (step, the windows its checkpoint saved, all of its
+    windows now, the train split's batch count): a batch the position has trained already (a checkpoint at step k
+    has trained batch_number(k, its windows)), or more batches than the split holds; None when nothing is."""
+    done = batch_number(step, saved) if step else 0
+    for a, b in cfg.data.skip_windows:
+        if a <= done and not any(x <= a and b <= y for x, y in saved):
+            return ConfigError(f"data.skip_batches: batch {a} was trained already (the run is at step {step}, batch "
+                               f"{done}); skip batches after {done}")
+    need = batch_number(cfg.train.steps, windows)
+    if need > n_batches:
+        return ConfigError(f"data.skip_batches: train.steps={cfg.train.steps} past the skipped batches would end at "
+                           f"batch {need}, but the train split holds {n_batches}: skip fewer batches or lower "
+                           f"train.steps")
+    return None
 
 
 def spike_reason(what: str, value: float, history: list[float], zscore: float, min_rise: float) -> str | None:
