@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from hybridpar.config import Config
+from hybridpar.config import Config, merge_windows
 from hybridpar.data.dataset import build_training_data
 from hybridpar.planning.flops import flops_per_token, peak_tflops
 from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, pick_device, set_numerics, start_process_group,
@@ -40,7 +40,6 @@ from hybridpar.models import count_params
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
 from hybridpar.training.spikes import (batch_number, check_skips, find_spike, local_tensor, windows_of,
                                        windows_tensor)
-from hybridpar.config import merge_windows
 from hybridpar.inference.evaluate import Scorer, metrics_row, run_task, summary
 from hybridpar.inference.generate import Sampling, generate
 from hybridpar.inference.tasks import load_tasks
