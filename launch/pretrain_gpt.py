@@ -92,7 +92,7 @@ def main(cfg: Config, hooks=()) -> TrainResult:
             run.lock.release()  # (rank 0) so that the restarted run can take the run dir
         os._exit(EXIT_ORPHANED)
 
-    watch_agent(orphaned)
+    agent = watch_agent(orphaned)
     try:
         # Resolve (every derivation and check; the run dir's lock taken), then mesh, data and model.
         trainer = start_trainer(cfg, own_run_dir=True)
@@ -177,6 +177,12 @@ def main(cfg: Config, hooks=()) -> TrainResult:
             # path only: after an error on one rank, a barrier would wait for the collective timeout.
             dist.barrier()
         return result
+    except Exception:
+        # A sibling worker that saw the agent go exits first, and this rank's next collective fails (connection
+        # reset) before its own watcher wakes: the same event, said the same way, not an internal error.
+        if agent is not None and os.getppid() != agent:
+            orphaned(f"the torchrun agent (pid {agent}) that started this worker is gone")
+        raise
     finally:
         if run is not None and run.lock is not None:
             run.lock.release()

@@ -173,13 +173,15 @@ def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
     return r.get_local_rank() * s.size() + s.get_local_rank(), r.size() * s.size()
 
 
-def watch_agent(on_gone, interval: float = 0.5) -> bool:
+def watch_agent(on_gone, interval: float = 0.5) -> int | None:
     """Under torchrun (TORCHELASTIC_RUN_ID set), call on_gone(why) from a daemon thread once the agent that started
     this worker is gone: torchrun starts each worker in a session of its own, so an agent killed with SIGKILL (the
     OOM killer, a scheduler's hard kill) leaves its workers running, and training into the run dir beside the run a
-    restart starts. The agent's death shows as this process being re-parented. Returns whether it watches."""
+    restart starts. The agent's death shows as this process being re-parented. Returns the agent's pid (None when
+    not under torchrun): a collective that fails because a sibling worker already left for this reason is the same
+    event, and the caller checks `os.getppid() != agent` before reporting it as an error."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return False
+        return None
     agent = os.getppid()
 
     def watch():
@@ -188,7 +190,7 @@ def watch_agent(on_gone, interval: float = 0.5) -> bool:
         on_gone(f"the torchrun agent (pid {agent}) that started this worker is gone")
 
     threading.Thread(target=watch, name="hybridpar-agent-watch", daemon=True).start()
-    return True
+    return agent
 
 
 def shutdown() -> None:
