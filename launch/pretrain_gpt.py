@@ -21,7 +21,7 @@ from hybridpar.checkpoint.dcp import CheckpointHook, Checkpointer
 from hybridpar.config import Config, merge_windows
 from hybridpar.config.cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.errors import UserError
-from hybridpar.parallel.distributed import shutdown, watch_agent, world_from_env
+from hybridpar.parallel.distributed import agent_gone, shutdown, watch_agent, world_from_env
 from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult, start_trainer
 from hybridpar.checkpoint.rewind import SKIPPED_FILE, Rewinder, SpikeLimit, read_skipped
 from hybridpar.training.spikes import HostCopies
@@ -180,8 +180,9 @@ def main(cfg: Config, hooks=()) -> TrainResult:
     except Exception:
         # A sibling worker that saw the agent go exits first, and this rank's next collective fails (connection
         # reset) before its own watcher wakes: the same event, said the same way, not an internal error.
-        if agent is not None and os.getppid() != agent:
-            orphaned(f"the torchrun agent (pid {agent}) that started this worker is gone")
+        why = agent_gone(agent)
+        if why is not None:
+            orphaned(why)
         raise
     finally:
         if run is not None and run.lock is not None:

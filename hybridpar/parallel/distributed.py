@@ -179,18 +179,25 @@ def watch_agent(on_gone, interval: float = 0.5) -> int | None:
     OOM killer, a scheduler's hard kill) leaves its workers running, and training into the run dir beside the run a
     restart starts. The agent's death shows as this process being re-parented. Returns the agent's pid (None when
     not under torchrun): a collective that fails because a sibling worker already left for this reason is the same
-    event, and the caller checks `os.getppid() != agent` before reporting it as an error."""
+    event, and the caller asks agent_gone(agent) before reporting it as an error."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     agent = os.getppid()
 
     def watch():
-        while os.getppid() == agent:
+        while (why := agent_gone(agent)) is None:
             time.sleep(interval)
-        on_gone(f"the torchrun agent (pid {agent}) that started this worker is gone")
+        on_gone(why)
 
     threading.Thread(target=watch, name="hybridpar-agent-watch", daemon=True).start()
     return agent
+
+
+def agent_gone(agent: int | None) -> str | None:
+    """Why this worker is orphaned (its torchrun agent, pid `agent`, is gone), or None while it is not."""
+    if agent is None or os.getppid() == agent:
+        return None
+    return f"the torchrun agent (pid {agent}) that started this worker is gone"
 
 
 def shutdown() -> None:
