@@ -25,7 +25,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from hybridpar.checkpoint.dcp import latest_checkpoint, resolve_load_path
+from hybridpar.checkpoint.layout import latest_checkpoint, resolve_load_path
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config, read_run_state
 from hybridpar.checkpoint.run_dir import RunDirLock
 from hybridpar.config import Config

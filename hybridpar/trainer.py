@@ -34,14 +34,13 @@ from hybridpar.errors import ConfigError
 from hybridpar.resolve import Run, resolve
 from hybridpar.training.lr_schedule import lr_at
 from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary
-from hybridpar.training.microbatch import (IGNORE_INDEX, chunked_loss, count_target_tokens,
+from hybridpar.training.microbatch import (chunked_loss, count_target_tokens,
                                            forward_backward_no_pipelining, logits_loss)
 from hybridpar.models import count_params
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
-from hybridpar.training.spikes import (batch_number, check_skips, find_spike, local_tensor, windows_of,
-                                       windows_tensor)
-from hybridpar.inference.evaluate import Scorer, metrics_row, run_task, summary
-from hybridpar.inference.generate import Sampling, generate
+from hybridpar.inference.in_training import Evaluation
+from hybridpar.training.spikes import batch_number, check_skips, local_tensor, windows_of, windows_tensor
+from hybridpar.training.step_status import StepStatus
 from hybridpar.inference.tasks import load_tasks
 from hybridpar.parallel import autocast_for
 from hybridpar.parallel.startup import build_parallel_model
@@ -51,13 +50,6 @@ from hybridpar.parallel.startup import build_parallel_model
 # (the first all-reduce leaves identical partial sums inside each group), and it happens once per step for the
 # gradient norm, so the warning is noise for hybridpar's layouts.
 logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-
-LOCAL_STATS_STEPS = 10_000  # steps of this rank's own numbers kept for spike.rerun (a rerun compares those it has)
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many non-finite steps in a row, or a loss spike after spike.max_rewinds rewinds."""
 
 
 class Hook(Protocol):
@@ -95,7 +87,7 @@ def start_trainer(cfg: Config, own_run_dir: bool = False, hooks: list[Hook] = ()
         raise
 
 
-class Trainer:
+class Trainer(StepStatus, Evaluation):
     def __init__(self, run: Run, mesh: DeviceMesh, hooks: list[Hook] = (), init_weights: bool = True):
         """The loop of a resolved run on its mesh. init_weights=False leaves the shards uninitialised, for a
         checkpoint to be loaded into."""
@@ -274,110 +266,12 @@ class Trainer:
         self.consumed_samples += self.cfg.train.global_batch_size
         return loss, grad_norm, lr
 
-    def settle(self, keep_last: bool = False) -> bool:
-        """Read the pending steps' (gradient norm, stop vote), oldest first, and act on them: count a non-finite
-        step as skipped (its update was not applied) and warn, raise TrainingDiverged past
-        train.max_skipped_steps, note a stop vote in stop_voted. keep_last leaves the newest step pending (its
-        kernels may still run). Returns whether the last step read was finite (True when none was read)."""
-        finite = True
-        while len(self._pending) > (1 if keep_last else 0):
-            finite = self._settle_one(*self._pending.pop(0))
-        return finite
-
-    def _settle_one(self, step: int, status: torch.Tensor) -> bool:
-        norm_value, stop_value, *loss_value = status.tolist()
-        stats = self.local_stats.get(step)
-        if isinstance(stats, torch.Tensor):
-            self.local_stats[step] = tuple(stats.tolist())
-            self.local_stats.pop(step - LOCAL_STATS_STEPS, None)
-        finite = math.isfinite(norm_value)
-        if finite and loss_value:
-            self._test_spike(step, loss_value[0], norm_value)
-        if finite:
-            self.consecutive_skips = 0
-        else:
-            self.skipped_steps += 1
-            self.consecutive_skips += 1
-            self.say(f"warning: step {step}: gradient norm is {norm_value}; optimizer step skipped "
-                     f"({self.consecutive_skips} in a row, {self.skipped_steps} in total)")
-            if self.consecutive_skips > self.cfg.train.max_skipped_steps:
-                raise TrainingDiverged(f"{self.consecutive_skips} non-finite steps in a row (more than "
-                                       f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}); the last "
-                                       f"complete checkpoint is intact: lower optim.lr or check the data, then resume")
-        self.stop_voted = self.stop_voted or bool(stop_value)
-        return finite
-
-    def _test_spike(self, step: int, loss: float, norm: float) -> None:
-        """The spike test of a finite step (train.spike warn or rewind): a spike is reported (and, with rewind, acted
-        on at the end of the step) and kept out of the window; other steps enter it."""
-        why = None if self.replaying or self.spike is not None else find_spike(self.cfg.spike, self.spike_history,
-                                                                                  loss, norm)
-        if why is None:
-            if self.spike is None or self.replaying:
-                self.spike_history = (self.spike_history + [(loss, norm)])[-self.cfg.spike.window:]
-            return
-        self.spike = (step, why)
-        self.say(f"warning: step {step}: loss spike: {why}"
-                 + ("" if self.cfg.train.spike == "rewind" else " (train.spike=warn: training on)"))
-        if self.log is not None:
-            self.log.log({"step": step, "spike": why, "spike_loss": loss, "spike_grad_norm": norm})
-        if self.cfg.train.spike == "warn":
-            self.spike = None
-
-    def _eager(self):
-        """Validation and sampling run the compiled blocks eagerly: under no_grad, and with the sample's growing
-        lengths, each would compile them again (three compilations of every block instead of one)."""
-        return torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext()
-
     def _stop_vote(self) -> torch.Tensor:
         """1.0 on every rank when any rank was asked to stop, on the device (a fill kernel, not a host copy)."""
         flag = torch.full((), float(self.stop_requested), device=self.device)
         if dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
-
-    @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean token loss over the fixed validation batches, all data-parallel ranks together; None when a stop
-        request (a signal on any rank) cut it short, between two batches."""
-        self.model.eval()
-        total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
-        with self._eager():
-            for x, y in self.data.valid:
-                self.stop_voted = self.stop_voted or bool(self._stop_vote())  # read now: validation stops here
-                if self.stop_voted:
-                    break
-                with self.loss_context(), self.autocast():
-                    loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))
-                total[0] += loss.to_local() if hasattr(loss, "to_local") else loss
-                total[1] += (y != IGNORE_INDEX).sum()
-        self.model.train()
-        total = self._dp_sum(total)
-        return None if self.stop_voted else float(total[0] / total[1])
-
-    def scorer(self) -> Scorer:
-        """A Scorer of this run's model on its layout (train.seq_len windows)."""
-        t = self.cfg.train
-        return Scorer(self.model, self.mesh, self.device, self.tokenizer, t.seq_len, t.eval_tasks_batch_size,
-                      self.autocast, self.tp if self.cfg.parallel.sequence_parallel else 1)
-
-    def _eval_tasks(self) -> None:
-        """Score every downstream task (train.eval_tasks) and log one row; a stop request ends it between tasks."""
-        results, scorer = {}, self.scorer()
-        with self._eager():
-            for task in self.tasks:
-                self.stop_voted = self.stop_voted or bool(self._stop_vote())
-                if self.stop_voted:
-                    return self.log.print(f"task evaluation at step {self.step} stopped by a stop request; not logged")
-                results[task.name] = run_task(task, scorer)
-        self.log.log(metrics_row(self.step, results))
-        self.log.print(f"eval step {self.step} | " + " | ".join(summary(n, m) for n, m in results.items()))
-
-    def _validate(self, result: TrainResult) -> None:
-        val = self.evaluate()
-        if val is None:
-            return self.log.print(f"validation at step {self.step} stopped by a stop request; not logged")
-        self.log.log({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -403,7 +297,7 @@ class Trainer:
                        + ", ".join(f"{h} x{hosts.count(h)}" for h in dict.fromkeys(hosts)))
         start = time.perf_counter()
         if t.eval_interval and self.step == 0 and t.steps > 0:  # (a seed-checkpoint start skips it)
-            self._validate(result)
+            self._validate()
         if self.tasks and self.step == 0 and t.steps > 0:
             self._eval_tasks()
         last_time, last_step = time.perf_counter(), self.step
@@ -436,7 +330,7 @@ class Trainer:
                 self.log.log(self._metrics(loss_value, lr, float(grad_norm), elapsed, steps, tokens_per_step))
                 last_time, last_step = now, self.step
             if t.eval_interval and (self.step % t.eval_interval == 0 or done):
-                self._validate(result)
+                self._validate()
                 last_time = time.perf_counter()  # validation time is not training throughput
                 stop = stop or (self.stop_voted and not done)  # a signal during validation
             every = t.eval_tasks_interval
@@ -496,14 +390,3 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.data_wait_seconds = 0.0
         return row
-
-    def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
-        """The prompt and up to n_tokens sampled after it (hybridpar.inference.generate, the KV-cache generator of
-        launch/generate.py), on this run's layout."""
-        tok = self.tokenizer
-        pad = self.tp if self.cfg.parallel.sequence_parallel else 1  # every call's length divides by tp
-        with self._eager():
-            out = generate(self.model, [tok.encode(prompt) or [tok.eod_id]],
-                           Sampling(n_tokens, temperature, seed=self.cfg.train.seed), self.device, tok.eod_id,
-                           vocab_limit=tok.vocab_size, pad_multiple=pad, autocast=self.autocast)
-        return prompt + tok.decode(out.tokens[0])

@@ -29,8 +29,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal, Optional
 
-from hybridpar.checkpoint.dcp import (MARKER, CheckpointError, check_config_matches_tensors, load_full_model_state,
-                                      resolve_load_path)
+from hybridpar.checkpoint.dcp import CheckpointError, check_config_matches_tensors, load_full_model_state
+from hybridpar.checkpoint.layout import MARKER, resolve_load_path
 from hybridpar.config.cli import parse_command
 from hybridpar.errors import ConfigError, UserError
 from hybridpar.models.config import doc, doc_required
@@ -164,7 +164,7 @@ def to_megatron_cmd(a) -> str:
 
 
 def _step_or_zero(ckpt: Path) -> int:
-    from hybridpar.checkpoint.dcp import step_of
+    from hybridpar.checkpoint.layout import step_of
 
     try:
         return step_of(ckpt)

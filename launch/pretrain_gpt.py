@@ -22,7 +22,8 @@ from hybridpar.config import Config, merge_windows
 from hybridpar.config.cli import dump_yaml, help_text, load_config, to_dict
 from hybridpar.errors import UserError
 from hybridpar.parallel.distributed import agent_gone, shutdown, watch_agent, world_from_env
-from hybridpar.trainer import Trainer, TrainingDiverged, TrainResult, start_trainer
+from hybridpar.trainer import Trainer, TrainResult, start_trainer
+from hybridpar.training.step_status import TrainingDiverged
 from hybridpar.checkpoint.rewind import SKIPPED_FILE, Rewinder, SpikeLimit, read_skipped
 from hybridpar.training.spikes import HostCopies
 from hybridpar.training.microbatch import StopMidStep

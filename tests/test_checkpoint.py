@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import ROOT, loss_curve, metrics_rows, run_cli, step_rows, user_env
-from hybridpar.checkpoint.dcp import (CheckpointError, checkpoint_dir, latest_checkpoint, list_checkpoints,
-                                      load_full_model_state, read_trainer_state, resolve_load_path, step_of)
+from hybridpar.checkpoint.dcp import CheckpointError, load_full_model_state, read_trainer_state
+from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint, list_checkpoints, resolve_load_path, step_of
 
 STEPS = 8
 COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",

@@ -11,7 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import run_cli
-from hybridpar.checkpoint.dcp import MARKER, load_full_model_state
+from hybridpar.checkpoint.dcp import load_full_model_state
+from hybridpar.checkpoint.layout import MARKER
 from hybridpar.config import Config, TrainConfig
 from hybridpar.config.cli import dump_yaml
 from hybridpar.models import build_model, get_model_config, load_pretrained

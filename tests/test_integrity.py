@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from conftest import ROOT, launcher, run_cli, user_env
-from hybridpar.checkpoint.dcp import checkpoint_dir, latest_checkpoint, load_full_model_state
+from hybridpar.checkpoint.dcp import load_full_model_state
+from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint
 from hybridpar.errors import CheckpointError, DataError, RunDirError
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config
 from hybridpar.checkpoint.run_dir import LOCK, RunDirLock
@@ -249,7 +250,7 @@ def test_declared_sizes_the_shards_do_not_back_and_damaged_shards(trained, tmp_p
 def test_links_out_of_a_checkpoint_are_refused(trained, tmp_path):
     """A shard or .metadata that is a link leaving the checkpoint (to a copy elsewhere: the bytes are valid, the
     place is not), and a step directory that is a link, which is no save of the run."""
-    from hybridpar.checkpoint.dcp import latest_checkpoint
+    from hybridpar.checkpoint.layout import latest_checkpoint
 
     ckpt, outside = tmp_path / "ckpt", tmp_path / "elsewhere"
     shutil.copytree(checkpoint_dir(trained, 4), ckpt)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from conftest import loss_curve, run_cli, step_rows
-from hybridpar.checkpoint.dcp import checkpoint_dir, load_full_model_state
+from hybridpar.checkpoint.dcp import load_full_model_state
+from hybridpar.checkpoint.layout import checkpoint_dir
 from hybridpar.config.cli import load_config
 from hybridpar.parallel.distributed import resolve_degrees, world_from_env
 from hybridpar.parallel import check_layout

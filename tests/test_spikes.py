@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from conftest import ROOT, loss_curve, metrics_rows, run_cli, step_rows, user_env
-from hybridpar.checkpoint.dcp import (checkpoint_dir, list_checkpoints, load_full_model_state, read_trainer_state,
-                                      step_of)
+from hybridpar.checkpoint.dcp import load_full_model_state, read_trainer_state
+from hybridpar.checkpoint.layout import checkpoint_dir, list_checkpoints, step_of
 from hybridpar.config import Config, DataConfig, SpikeConfig, TrainConfig, merge_windows
 from hybridpar.training.spikes import batch_number, check_skips, find_spike, spike_reason
 

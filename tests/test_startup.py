@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from hybridpar.checkpoint.dcp import checkpoint_dir, load_full_model_state, read_trainer_state
+from hybridpar.checkpoint.dcp import load_full_model_state, read_trainer_state
+from hybridpar.checkpoint.layout import checkpoint_dir
 from hybridpar.models import build_model, count_params, get_model_config
 from hybridpar.models.init import TILE_COLS, TILE_ROWS, keyed_normal_
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shutil
 import time
 from pathlib import Path
@@ -43,14 +42,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from hybridpar.checkpoint.layout import (MARKER, STEP_DIR, checkpoint_dir, is_complete, latest_checkpoint,
+                                         list_checkpoints, step_of)
 from hybridpar.checkpoint.resume_checks import check_model_config, data_changes, data_key
 from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader,
                                             exceptions_in, read_metadata, unwrap_checkpoint_exception)
-
-STEP_PREFIX = "step_"
-_STEP_DIR = re.compile(r"step_\d+")  # what hybridpar names a save; anything else in checkpoints/ is not one
-MARKER = "COMPLETE"
-
 
 def _local_bytes(state) -> int:
     """Bytes of the tensors this rank writes for `state` (its own shards)."""
@@ -80,49 +76,6 @@ def _safe_load(state: dict, path: Path, planner, metadata=None, no_dist: bool = 
         if inner is e:
             raise
         raise (inner if str(path) in str(inner) else CheckpointError(f"checkpoint {path}: {inner}")) from None
-
-
-def step_of(path: Path) -> int:
-    """The step of a checkpoint directory step_XXXXXXXX."""
-    return int(Path(path).name[len(STEP_PREFIX):])
-
-
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"{STEP_PREFIX}{step:08d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (Path(path) / MARKER).is_file()
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    done = [p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
-            and is_complete(p)]  # a link is not a save of this run (it may lead anywhere)
-    return sorted(done, key=step_of)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    done = list_checkpoints(run_dir)
-    return done[-1] if done else None
-
-
-def resolve_load_path(path: str) -> Path:
-    """A checkpoint directory, or a run directory (its latest complete checkpoint)."""
-    p = Path(path)
-    if is_complete(p):
-        return p
-    latest = latest_checkpoint(p)
-    if latest is not None:
-        return latest
-    if (p / ".metadata").is_file():
-        raise CheckpointError(f"checkpoint.load={path!r} was not completed (no {MARKER} marker: the save was cut "
-                              f"off); load the previous checkpoint of that run instead")
-    raise CheckpointError(f"checkpoint.load={path!r} is neither a complete checkpoint nor a run directory holding "
-                          f"one; give <run.dir>/checkpoints/step_XXXXXXXX or <run.dir>")
 
 
 def _state(model: nn.Module, optimizer, trainer_state: dict, options=None) -> dict:
@@ -231,7 +184,7 @@ class Checkpointer:
         # Incomplete saves older than the newest complete one can never be used: clear them too.
         newest = step_of(path)
         for p in (self.run_dir / "checkpoints").iterdir():
-            if _STEP_DIR.fullmatch(p.name) and not is_complete(p) and step_of(p) < newest:
+            if STEP_DIR.fullmatch(p.name) and not is_complete(p) and step_of(p) < newest:
                 shutil.rmtree(p, ignore_errors=True)
 
     def poll(self) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hybridpar.checkpoint.dcp import checkpoint_dir, list_checkpoints, step_of
+from hybridpar.checkpoint.layout import checkpoint_dir, list_checkpoints, step_of
 from hybridpar.config import merge_windows
 from hybridpar.training.spikes import HostCopies, batch_number, windows_text
 

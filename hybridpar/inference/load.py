@@ -15,7 +15,8 @@ from pathlib import Path
 
 from torch import nn
 
-from hybridpar.checkpoint.dcp import check_config_matches_tensors, load_model_weights, resolve_load_path
+from hybridpar.checkpoint.dcp import check_config_matches_tensors, load_model_weights
+from hybridpar.checkpoint.layout import resolve_load_path
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config
 from hybridpar.errors import CheckpointError, ConfigError
 

@@ -1,0 +1,56 @@
+"""Where a run's checkpoints lie: `<run.dir>/checkpoints/step_XXXXXXXX/`, complete once `COMPLETE` exists in it
+(hybridpar.checkpoint.dcp writes them; this module names, lists and finds them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hybridpar.checkpoint.safe_load import CheckpointError
+
+STEP_PREFIX = "step_"
+STEP_DIR = re.compile(r"step_\d+")  # what hybridpar names a save; anything else in checkpoints/ is not one
+MARKER = "COMPLETE"
+
+
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory step_XXXXXXXX."""
+    return int(Path(path).name[len(STEP_PREFIX):])
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{STEP_PREFIX}{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+            and is_complete(p)]  # a link is not a save of this run (it may lead anywhere)
+    return sorted(done, key=step_of)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = list_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def resolve_load_path(path: str) -> Path:
+    """A checkpoint directory, or a run directory (its latest complete checkpoint)."""
+    p = Path(path)
+    if is_complete(p):
+        return p
+    latest = latest_checkpoint(p)
+    if latest is not None:
+        return latest
+    if (p / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint.load={path!r} was not completed (no {MARKER} marker: the save was cut "
+                              f"off); load the previous checkpoint of that run instead")
+    raise CheckpointError(f"checkpoint.load={path!r} is neither a complete checkpoint nor a run directory holding "
+                          f"one; give <run.dir>/checkpoints/step_XXXXXXXX or <run.dir>")
