@@ -6,7 +6,7 @@ The order (docs/training.md walks it):
  0. the same config on every rank (compared at once: a rank started with other arguments stops every rank)
  1. run name and dir: run.name (the --config file's name, else the model's), run.dir = runs/<name>
  2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size;
-    the sample count (train.steps x global batch) whose index the data layer must hold in memory
+    the sample count (train.steps x global batch) whose index the data layer must hold in memory; data.stages
  3. precision: bf16 on GPUs that support it, fp32 on the CPU; the downstream tasks (train.eval_tasks' default)
  4. the run dir's lock (a run owns its dir from here), the checkpoint to load and the W&B id it recorded
  5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple x tp)
@@ -30,7 +30,8 @@ from hybridpar.checkpoint.resume_checks import read_checkpoint_config, read_run_
 from hybridpar.checkpoint.run_dir import RunDirLock
 from hybridpar.config import Config
 from hybridpar.data.dataset import load_data_tokenizer, train_batches
-from hybridpar.errors import ConfigError, RunDirError
+from hybridpar.data.stages import StagePlan
+from hybridpar.errors import ConfigError, DataError, RunDirError
 from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
 from hybridpar.parallel.distributed import WorldInfo, gpus_per_node, resolve_degrees
@@ -51,6 +52,7 @@ class Run:
     load_from: Path | None  # the checkpoint this run starts from
     run_state: Mapping  # that checkpoint's run_state.json ({} without one)
     lock: RunDirLock | None  # held by rank 0 of a run that owns its run dir
+    stages: StagePlan | None = None  # data.stages, parsed once (hybridpar.data.stages)
 
     @property
     def microbatches(self) -> int:
@@ -178,6 +180,16 @@ def check_sample_count(cfg: Config) -> None:
                           f"or fewer")
 
 
+def _stage_plan(cfg: Config) -> StagePlan | None:
+    """data.stages parsed (their syntax, order and ramps checked) for the global batch size; None without stages."""
+    if not cfg.data.stages:
+        return None
+    try:
+        return StagePlan.parse(cfg.data.stages, cfg.train.global_batch_size)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+
+
 def precision_for(cfg: Config, device: torch.device) -> str:
     if cfg.train.precision is not None:
         return cfg.train.precision
@@ -187,7 +199,8 @@ def precision_for(cfg: Config, device: torch.device) -> str:
 def eval_tasks_for(cfg: Config) -> list[str]:
     if cfg.train.eval_tasks is not None:
         return list(cfg.train.eval_tasks)
-    return ["builtin:next-words"] if cfg.data.path == "builtin" and cfg.train.eval_interval > 0 else []
+    builtin = cfg.data.path == "builtin" and not cfg.data.stages
+    return ["builtin:next-words"] if builtin and cfg.train.eval_interval > 0 else []
 
 
 def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bool = False, tokenizer=None,
@@ -204,6 +217,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     dp_replicate, dp_shard, tp = resolve_degrees(cfg.parallel, world.world_size, world.local_world_size)  # 2
     layout = Layout(dp_replicate, dp_shard, tp)
     check_sample_count(cfg)
+    stages = _stage_plan(cfg)
     parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     train = replace(cfg.train, precision=precision_for(cfg, device), eval_tasks=eval_tasks_for(cfg))  # 3
     lock = _lock(run_dir, world.rank) if own_run_dir else None  # 4
@@ -215,7 +229,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         if wandb.id is None and load_from is not None and not cfg.checkpoint.load_weights_only:
             wandb = replace(wandb, id=run_state.get("wandb_id"))
         if tokenizer is None:  # 5
-            tokenizer = load_data_tokenizer(cfg.data)
+            tokenizer = load_data_tokenizer(cfg.data, stages)
         model = replace(cfg.model, vocab_size=vocab_size_for(cfg, tokenizer, tp))
         cfg = replace(cfg, model=model, parallel=parallel, train=train,
                       logging=replace(cfg.logging, wandb=wandb))
@@ -230,4 +244,5 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         if lock is not None:
             lock.release()
         raise
-    return Run(cfg, world, device, layout, tokenizer, run_dir, load_from, MappingProxyType(dict(run_state)), lock)
+    return Run(cfg, world, device, layout, tokenizer, run_dir, load_from, MappingProxyType(dict(run_state)), lock,
+               stages)

@@ -161,10 +161,14 @@ class Trainer(StepStatus, Evaluation):
 
     # -- what a checkpoint keeps of the loop (hybridpar.checkpoint.dcp saves and restores it) ------------------
     def state_dict(self) -> dict:
-        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped": self.skipped_steps,
-                "skip_streak": self.consecutive_skips, "skip_windows": windows_tensor(self.skip_windows),
-                "spike_history": torch.tensor(self.spike_history, dtype=torch.float64).reshape(-1, 2),
-                "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until}
+        """(With data.stages also stage_origin: [batch, counts...] where the stages were last changed on resume.)"""
+        state = {"step": self.step, "consumed_samples": self.consumed_samples, "skipped": self.skipped_steps,
+                 "skip_streak": self.consecutive_skips, "skip_windows": windows_tensor(self.skip_windows),
+                 "spike_history": torch.tensor(self.spike_history, dtype=torch.float64).reshape(-1, 2),
+                 "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until}
+        if self.run.stages is not None:
+            state["stage_origin"] = torch.from_numpy(self.data.train.dataset.origin())
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's trainer state (older checkpoints lack the spike fields). The skipped batches are the
@@ -380,6 +384,8 @@ class Trainer(StepStatus, Evaluation):
                "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
                "data_time": min(1.0, self.data_wait_seconds / elapsed), "consumed_tokens": self.step * tokens_per_step,
                "skipped_steps": self.skipped_steps, "batch_crc32": self.batch_crc32}
+        if self.run.stages is not None:  # the stage of the last sample trained; each source's samples trained
+            row.update(self.data.train.dataset.row(self.data.train.order(self.step - 1) + 1, self.skip_windows))
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
         if self.device.type == "cuda":

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from hybridpar.checkpoint.layout import (MARKER, STEP_DIR, checkpoint_dir, is_complete, latest_checkpoint,
                                          list_checkpoints, step_of)
-from hybridpar.checkpoint.resume_checks import check_model_config, data_changes, data_key
+from hybridpar.checkpoint.resume_checks import check_model_config, data_changes, data_key, stage_origin
 from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader,
                                             exceptions_in, read_metadata, unwrap_checkpoint_exception)
 
@@ -216,8 +216,8 @@ class Checkpointer:
         metadata = read_metadata(path)  # read once; a crafted or damaged checkpoint fails here, as a one-line error
         saved_key = None if weights_only else read_trainer_state(path, True, metadata).get("data_key")  # older: none
         if not changes and saved_key is not None and saved_key != data_key(trainer.cfg):
-            changes = ["one of train.seed, train.seq_len, data.path, data.split, data.tokenizer (the checkpoint has "
-                       "no config.yaml to name which)"]
+            changes = ["one of train.seed, train.seq_len, data.path, data.split, data.tokenizer, data.stages (the "
+                       "checkpoint has no config.yaml to name which)"]
         if changes and not trainer.cfg.checkpoint.allow_data_change:
             raise CheckpointError(f"resuming from {path} with other data settings ({'; '.join(changes)}): the "
                                   f"saved data position would index other samples; restore them, start a new "
@@ -266,6 +266,11 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} consumed {consumed} samples in {step} steps, not {step} x "
                                   f"train.global_batch_size={G}: resume with the global batch size it was saved with")
         trainer.load_state_dict(t)
+        if trainer.run.stages is not None:  # each source continues where it was, also after a change of stages
+            origin = stage_origin(path, trainer.cfg, trainer.run.stages, t.get("stage_origin"),
+                                  trainer.data.train.order(trainer.step))
+            if origin is not None:
+                trainer.data.train.dataset.restart_at(*origin)
         return changes
 
 

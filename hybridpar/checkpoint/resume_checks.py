@@ -31,7 +31,9 @@ def read_checkpoint_config(path: Path) -> dict | None:
 
 
 # What the consumed-samples position means: change any of these and the same position indexes other samples.
-DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data", "split"), ("data", "tokenizer"))
+DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data", "split"), ("data", "tokenizer"),
+               ("data", "stages"), ("data", "source_exhausted"))
+STAGE_FIELDS = DATA_FIELDS[-2:]  # in the data key only when data.stages is set: older checkpoints keep their key
 
 
 def data_key(cfg) -> int:
@@ -39,7 +41,8 @@ def data_key(cfg) -> int:
     other data is caught even when the checkpoint's config.yaml, which names the fields, is gone."""
     import zlib
 
-    return zlib.crc32(json.dumps([getattr(getattr(cfg, a), b) for a, b in DATA_FIELDS]).encode())
+    fields = DATA_FIELDS if cfg.data.stages else DATA_FIELDS[:-len(STAGE_FIELDS)]
+    return zlib.crc32(json.dumps([getattr(getattr(cfg, a), b) for a, b in fields]).encode())
 
 
 def data_changes(path: Path, cfg, tokenizer_fingerprint: str | None) -> list[str]:
@@ -93,3 +96,28 @@ def check_model_config(path: Path, cfg) -> None:
     if diff:
         raise CheckpointError(f"checkpoint {path} holds a different model ({'; '.join(diff)}); load it with the "
                               f"same model config (its config.yaml), or start a new run with --run.name NAME")
+
+
+def stage_origin(path: Path, cfg, plan, saved_origin, next_batch: int):
+    """Where a staged run's sampler starts when it resumes from checkpoint `path` before 0-based global batch
+    `next_batch` (hybridpar.data.stages): the checkpoint's own origin (stage_origin in its trainer state) when the
+    stages and seed are those it was saved with; after an allowed change, (next_batch, each source's count there
+    under the checkpoint's stages), a source new to the run starting at 0. None: from batch 0, no origin."""
+    import numpy as np
+
+    from hybridpar.data.stages import StagePlan, StageSampler
+
+    saved = read_checkpoint_config(path) or {}  # (none: the data key vouched that nothing changed)
+    old_stages = saved.get("data", {}).get("stages", []) if saved else list(cfg.data.stages)
+    old_seed = saved.get("train", {}).get("seed", cfg.train.seed)
+    origin = None if saved_origin is None else (int(saved_origin[0]), np.asarray(saved_origin[1:], np.int64))
+    if list(old_stages) == list(cfg.data.stages) and old_seed == cfg.train.seed:
+        return origin if origin is not None and origin[0] > 0 else None
+    counts = {}
+    if old_stages:
+        old = StagePlan.parse(old_stages, cfg.train.global_batch_size)
+        if origin is not None and len(origin[1]) != len(old.sources):
+            origin = None
+        drawn = StageSampler(old, old_seed, cfg.train.global_batch_size, origin).counts_before(next_batch)
+        counts = dict(zip(old.sources, drawn.tolist()))
+    return next_batch, np.array([counts.get(s, 0) for s in plan.sources], np.int64)

@@ -198,6 +198,11 @@ class DataConfig:
     skip_batches: list[str] = doc([], "global batches never to train, as ranges A-B of batch numbers (batch N is the "
                                       "one step N trains when nothing is skipped; comma-separated on the command "
                                       "line), added to those a checkpoint's rewinds skipped")
+    stages: list[str] = doc([], "a mixture that changes during the run: entries 'START[ ramp R]: BLEND' (START, R in "
+                                "global batches, or samples with an 's' suffix; BLEND as data.path), the first at 0; "
+                                "replaces data.path (docs/data.md#stages)")
+    source_exhausted: str = doc("wrap", "a stage source read past one pass over its train split: wrap (its next "
+                                        "pass, reshuffled) or stop (refused at start, naming the source)")
 
     def __post_init__(self):
         parts = self.split.split(",")
@@ -211,6 +216,11 @@ class DataConfig:
                 or weights[1] <= 0:
             raise ValueError(f"data.split={self.split!r}: give three weights train,valid,test with train and valid > 0, e.g. 98,1,1")
         self.skip_windows  # parsed (and checked) once here
+        if self.source_exhausted not in ("wrap", "stop"):
+            raise ValueError(f"data.source_exhausted={self.source_exhausted!r}: give wrap or stop")
+        if self.stages and self.path != "builtin":
+            raise ValueError(f"data.path={self.path!r} and data.stages both name the training data; put every source "
+                             f"in data.stages (e.g. '0: 1 {self.path.split()[-1]}') and drop data.path")
 
     @property
     def skip_windows(self) -> list[tuple[int, int]]:
@@ -287,9 +297,10 @@ class CheckpointConfig:
                                          "(fine-tuning, re-warming) with a fresh optimizer")
     async_save: bool = doc(False, "write checkpoints in the background; the step loop blocks only for the copy "
                                   "to CPU memory")
-    allow_data_change: bool = doc(False, "resume although train.seed, train.seq_len, data.path, data.split or the "
-                                         "tokenizer differ from the checkpoint's (the data position then indexes "
-                                         "other samples); the change is recorded in metrics.jsonl")
+    allow_data_change: bool = doc(False, "resume although train.seed, train.seq_len, data.path, data.split, the "
+                                         "tokenizer or data.stages differ from the checkpoint's (the data position "
+                                         "then indexes other samples; changed stages apply from the resume batch, "
+                                         "each source continuing where it was); recorded in metrics.jsonl")
 
     def __post_init__(self):
         if self.interval < 0 or self.keep_last < 1:

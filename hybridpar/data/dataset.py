@@ -12,17 +12,19 @@ data-parallel ranks like a training batch, so its loss is the same number for ev
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch.distributed as dist
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, DataError
 from hybridpar.config import DataConfig
 from hybridpar.data.corpus import load_builtin_corpus
-from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend, split_ranges
+from hybridpar.data.gpt_data import (GlobalBatchLoader, build_gpt_datasets, build_passes, check_prefixes, open_blend,
+                                     split_ranges)
 from hybridpar.data.indexed import IndexedTokens, idx_path
 from hybridpar.data.preprocess import preprocess
+from hybridpar.data.stages import StagedDataset, StagePlan, StageSampler
 from hybridpar.data.tokenizer import load_tokenizer
 
 UNIGRAM_MAX_TOKENS = 50_000_000  # the unigram baseline reads the data once; skip it for large corpora
@@ -39,14 +41,14 @@ def _rank_zero_first(build):
     return out
 
 
-def load_data_tokenizer(d: DataConfig):
+def load_data_tokenizer(d: DataConfig, stages: StagePlan | None = None):
     """data.tokenizer, loaded once (hybridpar.resolve step 5). train-bpe:N learns from the train split's documents
     of the built-in corpus, and only there."""
     cache_dir = d.cache_path
     if cache_dir.exists() and not cache_dir.is_dir():
         raise ConfigError(f"data.cache_dir={d.cache_dir!r} is a file; give a directory (it holds the built corpus, "
                           f"tokenizers and index caches)")
-    if d.path != "builtin":
+    if d.path != "builtin" or (stages is not None and set(stages.sources) != {"builtin"}):
         if d.tokenizer.startswith("train-bpe"):
             raise ConfigError(f"data.tokenizer={d.tokenizer!r} trains on the built-in corpus only; give the tokenizer "
                               f"your data was preprocessed with (bpe:PATH, gpt2:DIR, sentencepiece:MODEL or bytes)")
@@ -102,6 +104,7 @@ class TrainingData:
     valid: list  # this rank's fixed validation microbatches
     description: str
     unigram_loss: float
+    valid_sources: dict[str, list] = field(default_factory=dict)  # a staged run's, per source (valid is their union)
 
     def close(self) -> None:
         self.train.close()
@@ -134,6 +137,8 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     parsed once -> megatron-core's sample order -> this rank's loaders."""
     cfg, tokenizer = run.cfg, run.tokenizer
     d, t, vocab = cfg.data, cfg.train, cfg.model.vocab_size
+    if run.stages is not None:
+        return _staged_training_data(run, dp_rank, dp_size)
     if d.path == "builtin":
         path, description = _rank_zero_first(lambda: prepare_builtin(d, tokenizer))
     else:
@@ -148,10 +153,62 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     pin = run.device.type == "cuda"
     train = GlobalBatchLoader(sets["train"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, vocab,
                               "train", pin_memory=pin)
-    valid_loader = GlobalBatchLoader(sets["valid"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size,
-                                     vocab, "valid", prefetch=0)
-    valid = [mb for k in range(t.eval_batches) for mb in valid_loader.load(k)] if t.eval_interval else []
-    valid_loader.close()
+    valid = _valid_batches(sets["valid"], t, dp_rank, dp_size, vocab)
     unigram = (unigram_loss(indexes[blend[0][1]], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1
                else float("nan"))
     return TrainingData(tokenizer, train, valid, description, unigram)
+
+
+def _valid_batches(dataset, t, dp_rank: int, dp_size: int, vocab: int) -> list:
+    """This rank's share of the first train.eval_batches global batches of a validation dataset ([] when
+    validation is off)."""
+    if not t.eval_interval:
+        return []
+    loader = GlobalBatchLoader(dataset, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, vocab, "valid",
+                               prefetch=0)
+    batches = [mb for k in range(t.eval_batches) for mb in loader.load(k)]
+    loader.close()
+    return batches
+
+
+def source_names(prefixes) -> list[str]:
+    """Short names of stage sources for metrics (the prefix's file name; the whole prefix where two share one)."""
+    short = [os.path.basename(p) or p for p in prefixes]
+    return [s if short.count(s) == 1 else p for s, p in zip(short, prefixes)]
+
+
+def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
+    """The data of a run with data.stages (hybridpar.data.stages): every source opened and checked once, its first
+    pass (and validation samples) built, the draws of the whole run counted to know how many passes each source
+    needs (data.source_exhausted: wrap builds them, stop refuses the run), then the position-keyed loader."""
+    cfg, tokenizer, plan = run.cfg, run.tokenizer, run.stages
+    d, t, vocab, G = cfg.data, cfg.train, cfg.model.vocab_size, cfg.train.global_batch_size
+    builtin = _rank_zero_first(lambda: prepare_builtin(d, tokenizer))[0] if "builtin" in plan.sources else None
+    prefixes = [builtin if p == "builtin" else p for p in plan.sources]
+    indexes = {p: IndexedTokens(p) for p in prefixes}
+    check_prefixes(prefixes, indexes, d.split, d.split_fractions, tokenizer, vocab, ("train", "valid"))
+    args = (d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, d.cache_path)
+    n_valid = t.eval_batches * G if t.eval_interval else 0
+    first = [build_passes(p, range(1), *args, n_valid=n_valid) for p in prefixes]
+    streams = [passes for passes, _ in first]
+    sampler = StageSampler(plan, t.seed, G)
+    n_batches = train_batches(cfg)
+    drawn = sampler.counts_before(n_batches)
+    for s, (prefix, passes) in enumerate(zip(plan.sources, streams)):
+        per_pass = len(passes[0])
+        need = -(-int(drawn[s]) // per_pass)
+        if need > 1 and d.source_exhausted == "stop":
+            batch = next(b for b in range(n_batches + 1) if sampler.counts_before(b)[s] > per_pass)
+            raise DataError(f"data.stages read {prefix} past its one pass ({per_pass:,} train samples) at batch {batch} "
+                            f"of {n_batches} ({int(drawn[s]):,} drawn in all); add data, lower its weight, or pass "
+                            f"--data.source_exhausted wrap")
+        passes += build_passes(prefixes[s], range(1, need), *args)[0]
+    names = source_names(plan.sources)
+    dataset = StagedDataset(sampler, streams, n_batches * G, names)
+    train = GlobalBatchLoader(dataset, G, t.micro_batch_size, dp_rank, dp_size, vocab, "train",
+                              pin_memory=run.device.type == "cuda")
+    valid_sources = {n: _valid_batches(v, t, dp_rank, dp_size, vocab) for n, (_, v) in zip(names, first)}
+    valid = [mb for batches in valid_sources.values() for mb in batches]
+    description = (f"{len(plan.stages)} stage(s) over {len(names)} source(s) ({', '.join(names)}; passes built: "
+                   f"{', '.join(str(len(p)) for p in streams)})")
+    return TrainingData(tokenizer, train, valid, description, float("nan"), valid_sources)

@@ -164,36 +164,60 @@ def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num
     return out
 
 
+def check_prefixes(prefixes, indexes: dict[str, IndexedTokens], split: str, fractions, tokenizer, vocab_size: int,
+                   splits) -> None:
+    """What megatron-core must never see: an empty index, token ids past the vocabulary, an empty split (it would
+    loop forever looking for an epoch with tokens)."""
+    for prefix in prefixes:
+        tokens = indexes[prefix]
+        if len(tokens) == 0:
+            raise DataError(f"data.path: {prefix} holds no documents; preprocess some text into it first")
+        tokens.check_vocab(vocab_size, tokenizer.vocab_size)
+        lengths = np.asarray(tokens.sequence_lengths)
+        for name in splits:
+            beg, end = split_ranges(len(tokens), fractions)[SPLITS.index(name)]
+            if end <= beg or lengths[beg:end].sum() == 0:
+                raise DataError(f"data.split={split!r} leaves the {name} split of {prefix} empty ({len(tokens)} "
+                                f"documents, {name} gets [{beg}, {end})); give it a larger weight or more data")
+
+
+def rank_zero_first(build):
+    """build() on rank 0 (it writes megatron-core's index caches), then on the other ranks (they read them), which
+    wait on a gloo group whose timeout covers long builds, not on the training process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return build()
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=4))
+    out = build() if dist.get_rank() == 0 else None
+    dist.barrier(group=group)
+    if dist.get_rank() != 0:
+        out = build()
+    dist.destroy_process_group(group)
+    return out
+
+
 def build_gpt_datasets(blend: list[tuple[float, str]], indexes: dict[str, IndexedTokens], split: str,
                        fractions: tuple[float, float, float], seq_len: int, seed: int, tokenizer, vocab_size: int,
                        num_samples: dict[str, int], cache_dir: Path):
     """The datasets of each requested split ({'train': n, 'valid': m}) of a parsed blend whose prefixes are open in
     `indexes`, checked before megatron-core sees them. Needs torch.distributed initialised (hybridpar's launcher
     does so even for one process): megatron-core's BlendedDataset asks for the rank."""
-    for _, prefix in blend:
-        tokens = indexes[prefix]
-        if len(tokens) == 0:
-            raise DataError(f"data.path: {prefix} holds no documents; preprocess some text into it first")
-        tokens.check_vocab(vocab_size, tokenizer.vocab_size)
-        lengths = np.asarray(tokens.sequence_lengths)
-        for name in num_samples:
-            beg, end = split_ranges(len(tokens), fractions)[SPLITS.index(name)]
-            if end <= beg or lengths[beg:end].sum() == 0:
-                raise DataError(f"data.split={split!r} leaves the {name} split of {prefix} empty ({len(tokens)} "
-                                f"documents, {name} gets [{beg}, {end})); give it a larger weight or more data")
-    ranks = dist.get_world_size() if dist.is_initialized() else 1
-    if ranks == 1:
-        return _build(blend, split, fractions, seq_len, seed, tokenizer, num_samples, cache_dir)
-    # Rank 0 builds the index caches; the others wait on a gloo group whose timeout covers long builds, then load.
-    group = dist.new_group(backend="gloo", timeout=timedelta(hours=4))
-    out = None
-    if dist.get_rank() == 0:
-        out = _build(blend, split, fractions, seq_len, seed, tokenizer, num_samples, cache_dir)
-    dist.barrier(group=group)
-    if dist.get_rank() != 0:
-        out = _build(blend, split, fractions, seq_len, seed, tokenizer, num_samples, cache_dir)
-    dist.destroy_process_group(group)
-    return out
+    check_prefixes([p for _, p in blend], indexes, split, fractions, tokenizer, vocab_size, num_samples)
+    return rank_zero_first(lambda: _build(blend, split, fractions, seq_len, seed, tokenizer, num_samples, cache_dir))
+
+
+def build_passes(prefix: str, passes: range, split: str, fractions, seq_len: int, seed: int, tokenizer,
+                 cache_dir: Path, n_valid: int = 0) -> tuple[list, object]:
+    """Passes `passes` over one prefix's train split (pass e: one epoch in megatron-core's order for seed
+    + 7919 e, hybridpar.data.stages), and with n_valid its first n_valid validation samples; checked prefixes only."""
+    from hybridpar.data.stages import PASS_SEED_STRIDE
+
+    def build():
+        out = [_build([(1.0, prefix)], split, fractions, seq_len, seed + PASS_SEED_STRIDE * e, tokenizer,
+                      {"train": None, **({"valid": n_valid} if e == 0 and n_valid else {})}, cache_dir)
+               for e in passes]
+        return [o["train"] for o in out], (out[0].get("valid") if out else None)
+
+    return rank_zero_first(build)
 
 
 class GlobalBatchLoader:
@@ -219,7 +243,7 @@ class GlobalBatchLoader:
         """Global batch `step`'s microbatches for this rank (with rank_shift, data-parallel rank + shift's), read
         now (no read-ahead)."""
         idx = self.sample_indices(step, rank_shift)
-        rows = [self.dataset[i] for i in idx]
+        rows = self.dataset.rows(idx) if hasattr(self.dataset, "rows") else [self.dataset[i] for i in idx]
         x = torch.stack([r["tokens"] for r in rows])
         y = torch.stack([r["labels"] for r in rows])
         mask = torch.stack([r["loss_mask"] for r in rows])

@@ -22,23 +22,31 @@ class Evaluation:
         return torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext()
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean token loss over the fixed validation batches, all data-parallel ranks together; None when a stop
-        request (a signal on any rank) cut it short, between two batches."""
+    def evaluate(self) -> dict[str, float] | None:
+        """Mean token loss over the fixed validation batches, all data-parallel ranks together, as {"val_loss": x},
+        with a staged run's per-source losses as "val_loss/<source>"; None when a stop request (a signal on any
+        rank) cut it short, between two batches."""
         self.model.eval()
-        total = torch.zeros(2, device=self.device)  # (loss sum, tokens)
+        groups = self.data.valid_sources or {"": self.data.valid}
+        total = torch.zeros(len(groups), 2, device=self.device)  # (loss sum, tokens) per source
         with self._eager():
-            for x, y in self.data.valid:
-                self.stop_voted = self.stop_voted or bool(self._stop_vote())  # read now: validation stops here
-                if self.stop_voted:
-                    break
-                with self.loss_context(), self.autocast():
-                    loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))
-                total[0] += loss.to_local() if hasattr(loss, "to_local") else loss
-                total[1] += (y != IGNORE_INDEX).sum()
+            for g, batches in enumerate(groups.values()):
+                for x, y in batches:
+                    self.stop_voted = self.stop_voted or bool(self._stop_vote())  # read now: validation stops here
+                    if self.stop_voted:
+                        break
+                    with self.loss_context(), self.autocast():
+                        loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))
+                    total[g, 0] += loss.to_local() if hasattr(loss, "to_local") else loss
+                    total[g, 1] += (y != IGNORE_INDEX).sum()
         self.model.train()
         total = self._dp_sum(total)
-        return None if self.stop_voted else float(total[0] / total[1])
+        if self.stop_voted:
+            return None
+        out = {"val_loss": float(total[:, 0].sum() / total[:, 1].sum())}
+        if self.data.valid_sources:
+            out.update({f"val_loss/{name}": float(total[g, 0] / total[g, 1]) for g, name in enumerate(groups)})
+        return out
 
     def scorer(self) -> Scorer:
         """A Scorer of this run's model on its layout (train.seq_len windows)."""
@@ -63,7 +71,7 @@ class Evaluation:
         val = self.evaluate()
         if val is None:
             return self.log.print(f"validation at step {self.step} stopped by a stop request; not logged")
-        self.log.log({"step": self.step, "val_loss": val, "val_ppl": math.exp(min(val, 50.0))})
+        self.log.log({"step": self.step, **val, "val_ppl": math.exp(min(val["val_loss"], 50.0))})
 
     def sample(self, prompt: str, n_tokens: int, temperature: float) -> str:
         """The prompt and up to n_tokens sampled after it (hybridpar.inference.generate, the KV-cache generator of

@@ -1,0 +1,225 @@
+"""Data stages: a mixture of sources that changes during a run (data.stages), exact, resumable and layout-free.
+
+A stage is 'START[ ramp R]: BLEND': from global batch START (or sample START with an 's' suffix, so a boundary can
+fall inside a global batch) the sources are drawn with BLEND's weights ('W1 PREFIX1 W2 PREFIX2 ...' or one PREFIX,
+the data.path syntax; 'builtin' names the built-in corpus). With 'ramp R' the weights move linearly from the
+previous stage's to this one's over the R batches (or samples) after START.
+
+The rule, for train sample position p (0-based, counted over the whole run: global batch b holds [bG, (b+1)G)):
+  1. w(p): the weights of the last stage with start <= p; inside its ramp, (1 - f) w_prev + f w_stage with
+     f = (p - start) / ramp.
+  2. u(p) = splitmix64(p + (seed + 1) * 0x9E3779B97F4A7C15 mod 2^64) >> 11, divided by 2^53: uniform in [0, 1).
+  3. source(p) = the first source whose cumulative weight exceeds u(p) (inverse CDF, sources in order of first
+     appearance in data.stages).
+  4. The sample read is the next unread one of that source: its n-th, n = #{q < p : source(q) = source(p)}.
+So the sample at p is a pure function of (seed, stages, p): the data-parallel size, restarts and train.steps do not
+enter. Each source reads its train split in megatron-core's GPTDataset order, one pass (one epoch of its documents)
+at a time: pass e is shuffled with seed + 7919 e, so a source's own order never depends on the stages, on its
+weights or on the run's length. A source read past its first pass wraps into the next (data.source_exhausted=wrap)
+or stops the run at start, naming it (stop).
+
+A change of stages on resume (checkpoint.allow_data_change) keeps every source's position: the new rule applies
+from the resume batch b0 on, step 4 counting from each source's count at b0 under the old rule (the origin, saved
+in the trainer state of later checkpoints). Positions before an origin are not defined by the new stages.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybridpar.data.indexed import DataError
+
+GOLDEN = 0x9E3779B97F4A7C15
+PASS_SEED_STRIDE = 7919  # pass e of a source is megatron-core's epoch order for seed + 7919 e
+CHUNK_SAMPLES = 1 << 20  # positions drawn per numpy chunk when counting (about 50 MB of temporaries)
+_STAGE = re.compile(r"\s*(\d+)(s?)(?:\s+ramp\s+(\d+)(s?))?\s*:\s*(.+?)\s*$")
+
+
+@dataclass(frozen=True)
+class Stage:
+    start: int  # first sample position
+    ramp: int  # samples over which the weights move from the previous stage's (0: at once)
+    weights: tuple[float, ...]  # one per source of the run (StagePlan.sources), normalised
+
+
+@dataclass(frozen=True)
+class StageText:
+    """One data.stages entry, parsed: start and ramp as (number, in samples?), the blend as (weight, prefix)."""
+    start: tuple[int, bool]
+    ramp: tuple[int, bool]
+    blend: tuple[tuple[float, str], ...]
+
+
+def parse_stage(text: str) -> StageText:
+    """'START[ ramp R]: BLEND' -> StageText; a one-line DataError naming the entry otherwise."""
+    from hybridpar.data.gpt_data import parse_blend
+
+    m = _STAGE.fullmatch(str(text))
+    if m is None:
+        raise DataError(f"data.stages entry {text!r}: write 'START[ ramp R]: BLEND', START and R in global batches "
+                        f"(or samples with an 's' suffix), e.g. '0: 0.7 /data/web 0.3 /data/code' or "
+                        f"'2000 ramp 500: /data/code'")
+    try:
+        blend = parse_blend(m[5])
+    except DataError as e:
+        raise DataError(f"data.stages entry {text!r}: {str(e).replace('data.path=', 'blend ')}") from None
+    return StageText((int(m[1]), bool(m[2])), (int(m[3] or 0), bool(m[4])), tuple(blend))
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """data.stages resolved for a global batch size: the sources (prefixes, first-appearance order) and stages."""
+    sources: tuple[str, ...]
+    stages: tuple[Stage, ...]
+
+    @classmethod
+    def parse(cls, texts, global_batch: int) -> "StagePlan":
+        parsed = [parse_stage(t) for t in texts]
+        sources = tuple(dict.fromkeys(p for s in parsed for _, p in s.blend))
+        stages, prev = [], None
+        for text, s in zip(texts, parsed):
+            start = s.start[0] if s.start[1] else s.start[0] * global_batch
+            ramp = s.ramp[0] if s.ramp[1] else s.ramp[0] * global_batch
+            weights = dict((p, w) for w, p in s.blend)
+            if prev is None and start != 0:
+                raise DataError(f"data.stages entry {text!r}: the first stage must start at 0")
+            if prev is not None and start <= prev.start:
+                raise DataError(f"data.stages entry {text!r}: stages start in increasing order (sample {start} is "
+                                f"not after the previous stage's {prev.start})")
+            if prev is None and ramp:
+                raise DataError(f"data.stages entry {text!r}: the first stage has no previous weights to ramp from")
+            stages.append(prev := Stage(start, ramp, tuple(weights.get(p, 0.0) for p in sources)))
+        for a, b, text in zip(stages, stages[1:], texts[1:]):
+            if a.ramp and a.start + a.ramp > b.start:
+                raise DataError(f"data.stages entry {text!r} starts at sample {b.start}, inside the previous stage's "
+                                f"ramp (to sample {a.start + a.ramp}); shorten that ramp")
+        return cls(sources, tuple(stages))
+
+    def weights_at(self, positions: np.ndarray) -> np.ndarray:
+        """(N, S) mixture weights of sample positions (rule step 1)."""
+        starts = np.array([s.start for s in self.stages])
+        k = np.searchsorted(starts, positions, side="right") - 1  # (N,) stage index
+        w = np.array([s.weights for s in self.stages])  # (stages, S)
+        ramp = np.array([s.ramp for s in self.stages])[k]
+        f = np.where(ramp > 0, np.clip((positions - starts[k]) / np.maximum(ramp, 1), 0.0, 1.0), 1.0)[:, None]
+        return (1.0 - f) * w[np.maximum(k - 1, 0)] + f * w[k]
+
+    def stage_at(self, position: int) -> int:
+        """1-based number of the stage that sample `position` belongs to."""
+        return int(np.searchsorted([s.start for s in self.stages], position, side="right"))
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser (Steele, Lea, Flood 2014) of uint64 values, elementwise, wrapping mod 2^64."""
+    with np.errstate(over="ignore"):
+        z = x.astype(np.uint64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def uniform(positions: np.ndarray, seed: int) -> np.ndarray:
+    """u(p) in [0, 1), 53 random bits (rule step 2)."""
+    with np.errstate(over="ignore"):
+        key = np.uint64((seed + 1) * GOLDEN % 2 ** 64)
+        return (splitmix64(positions.astype(np.uint64) + key) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+
+
+def draw_sources(plan: StagePlan, positions: np.ndarray, seed: int) -> np.ndarray:
+    """source(p) for each position (rule step 3), as indexes into plan.sources."""
+    w = plan.weights_at(positions)
+    cdf = np.cumsum(w, axis=1)
+    cdf /= cdf[:, -1:]  # exactly 1.0 from the last source of nonzero weight on: u < 1 never passes it
+    u = uniform(positions, seed)
+    return (cdf <= u[:, None]).sum(axis=1)
+
+
+class StageSampler:
+    """Rule step 4: where each position reads. Keeps each source's count at global batch boundaries, computed
+    forward on demand from the origin (batch 0 with zero counts, or a changed-stage resume's batch and counts)."""
+
+    def __init__(self, plan: StagePlan, seed: int, global_batch: int, origin: tuple[int, np.ndarray] | None = None):
+        self.plan, self.seed, self.G = plan, seed, global_batch
+        self.origin_batch, counts = origin if origin is not None else (0, np.zeros(len(plan.sources), np.int64))
+        self._bounds = [np.asarray(counts, np.int64)]  # counts before batch origin_batch + i
+        self._lock = threading.Lock()  # the loader's read-ahead thread and the trainer both ask
+
+    def counts_before(self, batch: int) -> np.ndarray:
+        """Samples each source gave to global batches [0, batch) (from the origin's counts on)."""
+        i = batch - self.origin_batch
+        if i < 0:
+            raise DataError(f"batch {batch + 1} lies before batch {self.origin_batch + 1}, where the data stages were "
+                            f"changed on resume: the current data.stages do not define it")
+        with self._lock:
+            while len(self._bounds) <= i:
+                b0 = self.origin_batch + len(self._bounds) - 1
+                n = max(1, min(i + 1 - len(self._bounds), CHUNK_SAMPLES // self.G))
+                src = draw_sources(self.plan, np.arange(b0 * self.G, (b0 + n) * self.G), self.seed).reshape(n, self.G)
+                per_batch = np.stack([(src == s).sum(axis=1) for s in range(len(self.plan.sources))], axis=1)
+                self._bounds.extend(self._bounds[-1] + np.cumsum(per_batch, axis=0))
+            return self._bounds[i]
+
+    def locate(self, positions: range) -> tuple[np.ndarray, np.ndarray]:
+        """(source, index in that source's stream) of consecutive positions inside one global batch."""
+        batch = positions.start // self.G
+        src = draw_sources(self.plan, np.arange(batch * self.G, positions.stop), self.seed)
+        before = self.counts_before(batch)
+        index = np.empty(len(src), np.int64)
+        for s in range(len(self.plan.sources)):
+            mine = src == s
+            index[mine] = before[s] + np.arange(mine.sum())
+        k = positions.start - batch * self.G
+        return src[k:], index[k:]
+
+
+class StagedDataset:
+    """The train samples of a staged run, by global position: dataset[p] is the sample of rule steps 1-4. Each
+    source's stream is a list of megatron-core GPTDatasets, one per pass (hybridpar.data.gpt_data builds them)."""
+
+    def __init__(self, sampler: StageSampler, streams: list[list], n_samples: int, names: list[str]):
+        self.sampler, self.streams, self.n_samples, self.names = sampler, streams, n_samples, names
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def __getitem__(self, p: int) -> dict:
+        (s,), (n,) = self.sampler.locate(range(p, p + 1))
+        return self.read(int(s), int(n))
+
+    def read(self, s: int, n: int) -> dict:
+        passes = self.streams[s]
+        per_pass = len(passes[0])
+        if n // per_pass >= len(passes):
+            raise DataError(f"data.stages: source {self.sampler.plan.sources[s]} was read to sample {n + 1}, past the "
+                            f"{len(passes)} pass(es) built at start ({per_pass} samples each)")
+        return passes[n // per_pass][n % per_pass]
+
+    def rows(self, positions: range) -> list[dict]:
+        """The samples of consecutive positions inside one global batch (what the loader reads)."""
+        src, index = self.sampler.locate(positions)
+        return [self.read(int(s), int(n)) for s, n in zip(src, index)]
+
+    def restart_at(self, batch: int, counts: np.ndarray) -> None:
+        """Apply the stages from global batch `batch` on, each source continuing from `counts` (a changed-stage
+        resume)."""
+        self.sampler = StageSampler(self.sampler.plan, self.sampler.seed, self.sampler.G, (batch, counts))
+
+    def origin(self) -> np.ndarray:
+        """[origin batch, counts...]: what a checkpoint keeps to rebuild this sampler."""
+        return np.concatenate([[self.sampler.origin_batch], self.sampler._bounds[0]]).astype(np.int64)
+
+    def row(self, next_batch: int, windows: list[tuple[int, int]]) -> dict:
+        """Metrics of the batches trained before 0-based batch `next_batch`: `stage`, the stage of the last sample
+        trained, and `samples/<source>`, each source's samples trained (the batches in the skipped windows, 1-based
+        and inclusive, drew theirs but trained none; batches before an origin count as its counts say)."""
+        c = self.sampler.counts_before(next_batch).copy()
+        for first, last in windows:
+            a, b = max(first - 1, self.sampler.origin_batch), min(last, next_batch)
+            if a < b:
+                c -= self.sampler.counts_before(b) - self.sampler.counts_before(a)
+        return {"stage": self.sampler.plan.stage_at(next_batch * self.sampler.G - 1),
+                **{f"samples/{n}": int(k) for n, k in zip(self.names, c)}}
