@@ -1,0 +1,307 @@
+"""Data stages (data.stages): the position-keyed rule against plain-Python references written here, the binomial
+spread of the draws, the same global batches for any data-parallel size, and, through the real launcher, a staged
+run killed inside a stage and at a boundary resuming with the same samples (also on another layout), changed stages
+refused or applied from the resume point, and a source that runs out."""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, launcher, metrics_rows, run_cli, step_rows, user_env
+from hybridpar.checkpoint.layout import checkpoint_dir
+from hybridpar.data.gpt_data import GlobalBatchLoader, build_passes, check_prefixes
+from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
+from hybridpar.data.stages import StagedDataset, StagePlan, StageSampler, draw_sources, uniform
+from hybridpar.data.tokenizer import ByteTokenizer
+
+MASK = 2 ** 64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    """splitmix64's finaliser as published (Steele, Lea, Flood 2014), on Python ints."""
+    z = x & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def _u(p: int, seed: int) -> float:
+    return (_splitmix64(p + (seed + 1) * 0x9E3779B97F4A7C15) >> 11) / 2 ** 53
+
+
+def _source(weights: list[float], u: float) -> int:
+    """Inverse CDF by hand: the first source whose running weight share exceeds u."""
+    acc, total = 0.0, sum(weights)
+    for s, w in enumerate(weights):
+        acc += w
+        if w > 0 and u < acc / total:
+            return s
+    return max(s for s, w in enumerate(weights) if w > 0)
+
+
+def test_uniform_is_splitmix64_of_the_documented_key():
+    positions = [0, 1, 2, 63, 10 ** 6, 2 ** 40 + 7, 2 ** 62]
+    for seed in (0, 1, 1234):
+        got = uniform(np.array(positions, dtype=np.uint64), seed)
+        assert [float(v) for v in got] == [_u(p, seed) for p in positions]
+        assert all(0.0 <= v < 1.0 for v in got)
+
+
+def test_ramp_weights_at_chosen_positions_by_hand():
+    # G = 4: stage 2 starts at batch 5 = sample 20 and ramps over 2 batches = 8 samples; stage 3 at sample 30.
+    plan = StagePlan.parse(["0: 3 a 1 b", "5 ramp 2: 1 b 1 c", "30s: c"], global_batch=4)
+    assert plan.sources == ("a", "b", "c")
+    assert [(s.start, s.ramp) for s in plan.stages] == [(0, 0), (20, 8), (30, 0)]
+    expect = {0: (0.75, 0.25, 0), 19: (0.75, 0.25, 0), 20: (0.75, 0.25, 0), 22: (0.5625, 0.3125, 0.125),
+              24: (0.375, 0.375, 0.25), 27: (0.09375, 0.46875, 0.4375), 28: (0, 0.5, 0.5), 29: (0, 0.5, 0.5),
+              30: (0, 0, 1), 10 ** 9: (0, 0, 1)}
+    got = plan.weights_at(np.array(list(expect)))
+    for row, want in zip(got, expect.values()):
+        assert np.allclose(row, want, rtol=0, atol=1e-15), (row, want)
+    assert [plan.stage_at(p) for p in (0, 19, 20, 29, 30, 10 ** 9)] == [1, 1, 2, 2, 3, 3]
+
+
+def test_draws_follow_the_weights_and_the_written_rule():
+    n = 10_000
+    weights = [(0.7, 0.3, 0.0), (0.2, 0.5, 0.3), (0.0, 0.0, 1.0)]
+    plan = StagePlan.parse(["0: 0.7 a 0.3 b", f"{n}s: 0.2 a 0.5 b 0.3 c", f"{2 * n}s: c"], global_batch=8)
+    src = draw_sources(plan, np.arange(3 * n), seed=11)
+    for k, w in enumerate(weights):
+        counts = np.bincount(src[k * n:(k + 1) * n], minlength=3)
+        for c, p in zip(counts, w):
+            if p == 0:
+                assert c == 0
+            else:  # within 4 standard deviations of the binomial
+                assert abs(c - n * p) <= 4 * math.sqrt(n * p * (1 - p)), (k, counts, w)
+    for p in list(range(2000)) + list(range(n - 50, n + 50)):
+        w = weights[min(p // n, 2)]
+        assert src[p] == _source(list(w), _u(p, 11)), p
+
+
+def test_counts_and_reads_equal_a_loop_over_positions():
+    G = 6
+    plan = StagePlan.parse(["0: 0.5 a 0.5 b", "3 ramp 2: 1 c", "47s: 0.1 a 0.9 b"], global_batch=G)
+    sampler = StageSampler(plan, seed=3, global_batch=G)
+    ref_src = [int(s) for s in draw_sources(plan, np.arange(20 * G), 3)]
+    seen = [0, 0, 0]
+    ref_index = []
+    for s in ref_src:
+        ref_index.append(seen[s])
+        seen[s] += 1
+    for b in range(20):
+        assert sampler.counts_before(b).tolist() == [ref_src[:b * G].count(s) for s in range(3)]
+    for start, stop in ((0, 6), (14, 18), (46, 48), (102, 108)):
+        src, index = sampler.locate(range(start, stop))
+        assert src.tolist() == ref_src[start:stop] and index.tolist() == ref_index[start:stop]
+    # From an origin (a changed-stage resume at batch 7 with these counts), each source counts on from its own.
+    moved = StageSampler(plan, seed=3, global_batch=G, origin=(7, np.array([100, 0, 5])))
+    src, index = moved.locate(range(7 * G, 9 * G))
+    base = {0: 100, 1: 0, 2: 5}
+    for s, i in zip(src.tolist(), index.tolist()):
+        assert i == base[s]
+        base[s] += 1
+    with pytest.raises(DataError, match="lies before batch 8, where the data stages were changed"):
+        moved.counts_before(6)
+
+
+@pytest.mark.parametrize("entries, message", [
+    (["5: a"], "the first stage must start at 0"),
+    (["0: a", "0: b"], "stages start in increasing order"),
+    (["0 ramp 3: a"], "no previous weights to ramp from"),
+    (["0: a", "4 ramp 4: b", "6: a"], "inside the previous stage's ramp"),
+    (["0 a"], "write 'START[ ramp R]: BLEND'"),
+    (["0: 0.5 a b"], "blend '0.5 a b': a blend is 'WEIGHT PREFIX"),
+    (["0: -1 a 1 b"], "blend weight -1 must be a positive number"),
+])
+def test_bad_stages_are_one_line_errors(entries, message):
+    with pytest.raises(DataError, match=re.escape(message)) as e:
+        StagePlan.parse(entries, global_batch=4)
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def one_process_group(tmp_path_factory):
+    """megatron-core asks torch.distributed for the rank, as hybridpar's launcher provides even for one process."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _source_files(directory, n_docs=(300, 300), seed=0):
+    """Sources of the bytes tokenizer's ids, each in its own id range (web 1-127, code 128-255), docs ending in EOD."""
+    rng = np.random.default_rng(seed)
+    prefixes = []
+    for (name, lo, hi), n in zip((("web", 1, 128), ("code", 128, 256)), n_docs):
+        prefixes.append(str(directory / name))
+        with IndexedWriter(prefixes[-1], np.uint16) as w:
+            for _ in range(n):
+                w.add_document(np.append(rng.integers(lo, hi, int(rng.integers(20, 200))), 0).astype(np.uint16))
+    return prefixes
+
+
+def test_the_same_global_batches_on_1_2_and_4_ranks_and_the_reads_of_the_rule(tmp_path, one_process_group):
+    web, code = _source_files(tmp_path, n_docs=(300, 40))
+    plan = StagePlan.parse([f"0: {web}", f"3s ramp 2: 0.5 {web} 0.5 {code}", f"61s: {code}"], global_batch=8)
+    fractions = (0.95, 0.05, 0.0)
+    tok = ByteTokenizer()
+    check_prefixes([web, code], {p: IndexedTokens(p) for p in (web, code)}, "95,5,0", fractions, tok, 256, ("train",))
+    args = ("95,5,0", fractions, 32, 7, tok, tmp_path / "cache")
+    streams = [build_passes(p, range(3), *args)[0] for p in (web, code)]  # 3 passes each: code wraps
+    assert len(streams[1][0]) < 200  # the small source is read past its first pass below
+    n_batches = 40
+    batches = {}
+    for dp, micro in ((1, 8), (2, 2), (4, 1)):
+        dataset = StagedDataset(StageSampler(plan, 7, 8), streams, n_batches * 8, ["web", "code"])
+        loaders = [GlobalBatchLoader(dataset, 8, micro, r, dp, 256, "train") for r in range(dp)]
+        batches[dp] = [torch.cat([x for r in range(dp) for x, _ in loaders[r].microbatches(b)])
+                       for b in range(n_batches)]
+        for loader in loaders:
+            loader.close()
+    assert all(torch.equal(batches[dp][b], batches[1][b]) for dp in (2, 4) for b in range(n_batches))
+    # Against the rule done by hand: source of each position by inverse CDF of u(p), its n-th unread sample, pass
+    # n // L of that source (a pass is megatron-core's epoch for seed + 7919 e, built independently above).
+    seen = [0, 0]
+    for p in range(n_batches * 8):
+        f = (p - 3) / 16  # the ramp's share of the way from (1, 0) to (0.5, 0.5)
+        w = [1.0, 0.0] if p < 3 else ([(1 - f) + f * 0.5, f * 0.5] if p < 19 else
+                                      ([0.5, 0.5] if p < 61 else [0.0, 1.0]))
+        s = _source(w, _u(p, 7))
+        n = seen[s]
+        seen[s] += 1
+        per_pass = len(streams[s][0])
+        want = streams[s][n // per_pass][n % per_pass]["tokens"]
+        assert torch.equal(batches[1][p // 8][p % 8], want), p
+    assert seen[1] > len(streams[1][0])  # the rule read code's second pass
+    assert not torch.equal(torch.stack([streams[1][1][i]["tokens"] for i in range(8)]),
+                           torch.stack([streams[1][0][i]["tokens"] for i in range(8)]))  # reshuffled
+
+
+# -- through the launcher --------------------------------------------------------------------------------------
+
+STEPS = 12
+G = 8
+
+
+def _staged_args(tmp_path, run_dir, stages, *extra):
+    return ["launch/pretrain_gpt.py", "--train.steps", str(STEPS), "--train.global_batch_size", str(G),
+            "--train.seq_len", "32", "--logging.interval", "1", "--train.eval_interval", "6", "--train.eval_batches",
+            "1", "--train.eval_tasks", "", "--train.sample_tokens", "0", "--train.precision", "fp32",
+            "--checkpoint.interval", "2", "--checkpoint.keep_last", "10", "--logging.wandb.mode", "disabled",
+            "--data.tokenizer", "bytes", "--data.cache_dir", str(tmp_path / "cache"), "--run.dir", str(run_dir),
+            "--data.stages", ",".join(stages), *extra]
+
+
+def _samples(rows):
+    return {s: (r["stage"], r["samples/web"], r["samples/code"], r["batch_crc32"]) for s, r in rows.items()}
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    """Sources, stages (a ramp, a boundary inside global batch 8 at sample 61, a stage from batch 10) and the
+    unbroken reference run."""
+    tmp = tmp_path_factory.mktemp("stages")
+    web, code = _source_files(tmp)
+    stages = [f"0: {web}", f"3 ramp 3: 0.5 {web} 0.5 {code}", f"61s: 0.25 {web} 0.75 {code}", f"10: {code}"]
+    ref = tmp / "ref"
+    out = run_cli(_staged_args(tmp, ref, stages))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return tmp, web, code, stages, ref, step_rows(ref)
+
+
+@pytest.mark.multiprocess
+def test_stage_and_counts_per_row_follow_the_stages(staged):
+    tmp, web, code, stages, ref, rows = staged
+    assert sorted(rows) == list(range(1, STEPS + 1))
+    for step, row in rows.items():
+        assert row["samples/web"] + row["samples/code"] == G * step
+        last = G * step - 1  # the last sample trained
+        assert row["stage"] == (1 if last < 24 else 2 if last < 61 else 3 if last < 80 else 4)
+    assert [rows[s]["samples/code"] for s in (1, 2, 3)] == [0, 0, 0]  # web alone for 3 batches
+    assert rows[12]["samples/web"] == rows[10]["samples/web"]  # code alone from batch 10 (samples 80..)
+    vals = [r for r in metrics_rows(ref) if "val_loss" in r]
+    assert [r["step"] for r in vals] == [0, 6, 12]
+    for r in vals:  # the overall loss is the token-weighted mean of the two sources' (same token count each)
+        assert r["val_loss"] == pytest.approx((r["val_loss/web"] + r["val_loss/code"]) / 2, rel=1e-6)
+
+
+def _kill_after(args, ready, log):
+    proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=user_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    running = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return running
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kill_at, ranks", [(4, 1), (10, 2)])  # inside the ramp stage; exactly at stage 4's start
+def test_a_killed_staged_run_resumes_with_the_same_samples(staged, kill_at, ranks):
+    """Killed (SIGKILL) once checkpoint kill_at is complete, resumed on one rank (the same batch_crc32 and losses,
+    bitwise) or on two (dp_shard 2: the same stages and per-source counts, the curve within the parity tolerance)."""
+    tmp, web, code, stages, ref, rows = staged
+    run_dir = tmp / f"killed{kill_at}"
+    args = _staged_args(tmp, run_dir, stages)
+    with open(tmp / f"killed{kill_at}.log", "w") as log:
+        assert _kill_after(args, lambda: (checkpoint_dir(run_dir, kill_at) / "COMPLETE").exists(), log)
+    if ranks == 1:
+        out = run_cli(args)
+    else:
+        out = run_cli(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args,
+                       "--parallel.dp_shard", str(ranks)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = step_rows(run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    if ranks == 1:
+        assert _samples(resumed) == _samples(rows)
+        assert {s: r["loss"] for s, r in resumed.items()} == {s: r["loss"] for s, r in rows.items()}
+    else:
+        assert {s: _samples({0: r})[0][:3] for s, r in resumed.items()} == \
+            {s: _samples({0: r})[0][:3] for s, r in rows.items()}
+        for s in range(kill_at + 1, STEPS + 1):
+            assert resumed[s]["loss"] == pytest.approx(rows[s]["loss"], rel=1e-5), s
+
+
+@pytest.mark.multiprocess
+def test_changed_stages_are_refused_unless_allowed_then_apply_from_the_resume_point(staged):
+    tmp, web, code, stages, ref, rows = staged
+    run_dir = tmp / "changed"
+    first = run_cli(_staged_args(tmp, run_dir, stages, "--train.steps", "6"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    new = [f"0: 0.5 {web} 0.5 {code}", f"2: {web}"]  # web alone from the resume point (batch 6) on
+    refused = run_cli(_staged_args(tmp, run_dir, new))
+    assert refused.returncode == 2 and "data.stages: checkpoint" in refused.stderr
+    assert refused.stderr.count("\n") == 1 and (run_dir / "metrics.jsonl").read_bytes() == before
+    out = run_cli(_staged_args(tmp, run_dir, new, "--checkpoint.allow_data_change", "true"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    after = step_rows(run_dir)
+    web6, code6 = rows[6]["samples/web"], rows[6]["samples/code"]
+    for s in range(7, STEPS + 1):  # code frozen at its count, web on by G a step
+        assert (after[s]["samples/web"], after[s]["samples/code"]) == (web6 + G * (s - 6), code6)
+    assert after[7]["stage"] == 2 and "data_change" in [k for r in metrics_rows(run_dir) for k in r]
+
+
+@pytest.mark.multiprocess
+def test_a_source_that_runs_out_stops_the_run_at_start_when_asked(tmp_path, capsys):
+    web, code = _source_files(tmp_path, n_docs=(300, 12))
+    stages = [f"0: {web}", f"2: {code}"]
+    run_dir = tmp_path / "stop"
+    run = launcher("pretrain_gpt")
+    assert run.cli(_staged_args(tmp_path, run_dir, stages, "--data.source_exhausted", "stop")[1:]) == 2
+    err = capsys.readouterr().err
+    assert f"data.stages read {code} past its one pass" in err and "--data.source_exhausted wrap" in err
+    assert err.count("\n") == 1 and not run_dir.exists()
