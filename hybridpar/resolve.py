@@ -11,7 +11,8 @@ The order (docs/training.md walks it):
  4. the run dir's lock (a run owns its dir from here), the checkpoint to load and the W&B id it recorded
  5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple x tp)
  6. the layout's divisibility rules, with the final vocabulary; the micro-batch size
- 7. the device's usable memory (the minimum over ranks), the accumulation mode, the memory refusal
+ 7. the device's usable memory (the minimum over ranks), the accumulation mode, the memory refusal (with
+    data.stages, for the longest stage's sequences)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from hybridpar.checkpoint.resume_checks import read_checkpoint_config, read_run_
 from hybridpar.checkpoint.run_dir import RunDirLock
 from hybridpar.config import Config
 from hybridpar.data.dataset import load_data_tokenizer, train_batches
-from hybridpar.data.stages import StagePlan
+from hybridpar.data.stages import StagePlan, stage_micro_batch
 from hybridpar.errors import ConfigError, DataError, RunDirError
 from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
@@ -180,14 +181,33 @@ def check_sample_count(cfg: Config) -> None:
                           f"or fewer")
 
 
-def _stage_plan(cfg: Config) -> StagePlan | None:
-    """data.stages parsed (their syntax, order and ramps checked) for the global batch size; None without stages."""
+def _stage_plan(cfg: Config, tp: int) -> StagePlan | None:
+    """data.stages parsed (their syntax, order and ramps checked) for the global batch size, each stage's sequence
+    length checked against the model and sequence parallelism; None without stages."""
     if not cfg.data.stages:
         return None
     try:
-        return StagePlan.parse(cfg.data.stages, cfg.train.global_batch_size)
+        plan = StagePlan.parse(cfg.data.stages, cfg.train.global_batch_size, cfg.train.seq_len)
     except DataError as e:
         raise ConfigError(str(e)) from None
+    for length in plan.seq_lens:
+        if length > cfg.model.max_seq_len:
+            raise ConfigError(f"data.stages: seq {length} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower "
+                              f"it or raise model.max_seq_len")
+        if tp > 1 and cfg.parallel.sequence_parallel and length % tp:
+            raise ConfigError(f"data.stages: seq {length} is not divisible by parallel.tp={tp} (sequence parallel "
+                              f"shards the sequence); use a multiple of {tp}")
+    return plan
+
+
+def longest_stage(cfg: Config, stages: StagePlan | None, dp: int) -> Config:
+    """The config of the run's most memory-hungry batches, for the memory check and the planner: with data.stages,
+    the longest stage's sequence length and micro-batch size (hybridpar.data.stages.stage_micro_batch)."""
+    if stages is None or max(stages.seq_lens) <= cfg.train.seq_len:
+        return cfg
+    t, length = cfg.train, max(stages.seq_lens)
+    micro = stage_micro_batch(t.micro_batch_size, t.seq_len, length, t.global_batch_size // dp)
+    return replace(cfg, train=replace(t, seq_len=length, micro_batch_size=micro))
 
 
 def precision_for(cfg: Config, device: torch.device) -> str:
@@ -217,7 +237,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     dp_replicate, dp_shard, tp = resolve_degrees(cfg.parallel, world.world_size, world.local_world_size)  # 2
     layout = Layout(dp_replicate, dp_shard, tp)
     check_sample_count(cfg)
-    stages = _stage_plan(cfg)
+    stages = _stage_plan(cfg, tp)
     parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     train = replace(cfg.train, precision=precision_for(cfg, device), eval_tasks=eval_tasks_for(cfg))  # 3
     lock = _lock(run_dir, world.rank) if own_run_dir else None  # 4
@@ -236,10 +256,11 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         check_layout(cfg, (dp_replicate, dp_shard, tp), node)  # 6
         cfg = replace(cfg, train=replace(train, micro_batch_size=micro_batch_size_for(cfg, layout.dp)))
         usable = gpu.usable_bytes if gpu is not None else _min_over_ranks(usable_bytes(device), device)  # 7
-        cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=choose_accumulation(cfg, layout, usable)))
+        accumulate = choose_accumulation(longest_stage(cfg, stages, layout.dp), layout, usable)
+        cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=accumulate))
         if gpu is None and device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, now
             name = torch.cuda.get_device_name(device)
-            refuse_if_too_big(cfg, layout, usable, node, gpu_by_name(name), name)
+            refuse_if_too_big(longest_stage(cfg, stages, layout.dp), layout, usable, node, gpu_by_name(name), name)
     except BaseException:
         if lock is not None:
             lock.release()

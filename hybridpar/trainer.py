@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from hybridpar.config import Config, merge_windows
 from hybridpar.data.dataset import build_training_data
-from hybridpar.planning.flops import flops_per_token, peak_tflops
+from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_tflops
 from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, pick_device, set_numerics, start_process_group,
                                             world_from_env)
 from hybridpar.errors import ConfigError
@@ -148,7 +148,7 @@ class Trainer(StepStatus, Evaluation):
         self._device_skip = all(g.get("fused") for g in self.optimizer.param_groups if not g.get("muon"))
         self.data_wait_seconds = 0.0  # time train steps waited on data since the last log row (read-ahead hides most)
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
-        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        self.flops_per_token = flops_per_token_of(cfg.model, cfg.train.seq_len)
         self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
     def open_log(self, enabled: bool, config_dict: dict | None = None) -> None:
@@ -376,16 +376,19 @@ class Trainer(StepStatus, Evaluation):
         spread = torch.tensor([step_time, -step_time], dtype=torch.float64, device=self.device)
         if world > 1:
             dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        staged, flops_per_token = {}, self.flops_per_token
+        if self.run.stages is not None:  # stage, samples per source, tokens; the last batch's sequence length
+            staged = self.data.train.dataset.row(self.data.train.order(self.step - 1) + 1, self.skip_windows)
+            tokens_per_step = self.cfg.train.global_batch_size * staged["seq_len"]
+            flops_per_token = flops_per_token_of(self.cfg.model, staged["seq_len"])
         tps = steps * tokens_per_step / elapsed
         per_device = tps / world
-        tflops = self.flops_per_token * per_device / 1e12
+        tflops = flops_per_token * per_device / 1e12
         row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops, "step_time": step_time,
                "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
                "data_time": min(1.0, self.data_wait_seconds / elapsed), "consumed_tokens": self.step * tokens_per_step,
-               "skipped_steps": self.skipped_steps, "batch_crc32": self.batch_crc32}
-        if self.run.stages is not None:  # the stage of the last sample trained; each source's samples trained
-            row.update(self.data.train.dataset.row(self.data.train.order(self.step - 1) + 1, self.skip_windows))
+               "skipped_steps": self.skipped_steps, "batch_crc32": self.batch_crc32, **staged}
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
         if self.device.type == "cuda":

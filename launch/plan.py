@@ -25,7 +25,7 @@ from hybridpar.models.config import doc
 from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
 from hybridpar.planning.cost import GIB, GPUS, Layout, memory, muon_share, step_time
 from hybridpar.planning.layouts import rank_layouts
-from hybridpar.resolve import resolve
+from hybridpar.resolve import longest_stage, resolve
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def parse(argv: list[str]):
     world_info = WorldInfo(a.rank, world, a.rank % c.gpus_per_node, c.gpus_per_node)
     run = resolve(cfg, world_info, torch.device("meta"), tokenizer=_Vocabulary(cfg.model.vocab_size),
                   gpu=GPUS[c.gpu])
-    return a, run.cfg, run.layout
+    return a, longest_stage(run.cfg, run.stages, run.layout.dp), run.layout  # (with stages: the longest's batches)
 
 
 class _Vocabulary:

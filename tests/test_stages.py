@@ -20,7 +20,8 @@ from conftest import ROOT, launcher, metrics_rows, run_cli, step_rows, user_env
 from hybridpar.checkpoint.layout import checkpoint_dir
 from hybridpar.data.gpt_data import GlobalBatchLoader, build_passes, check_prefixes
 from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
-from hybridpar.data.stages import StagedDataset, StagePlan, StageSampler, draw_sources, uniform
+from hybridpar.data.stages import (StagedDataset, StagePlan, StageSampler, draw_sources, stage_micro_batch,
+                                   uniform)
 from hybridpar.data.tokenizer import ByteTokenizer
 
 MASK = 2 ** 64 - 1
@@ -58,9 +59,9 @@ def test_uniform_is_splitmix64_of_the_documented_key():
 
 def test_ramp_weights_at_chosen_positions_by_hand():
     # G = 4: stage 2 starts at batch 5 = sample 20 and ramps over 2 batches = 8 samples; stage 3 at sample 30.
-    plan = StagePlan.parse(["0: 3 a 1 b", "5 ramp 2: 1 b 1 c", "30s: c"], global_batch=4)
+    plan = StagePlan.parse(["0: 3 a 1 b", "5 ramp 2: 1 b 1 c", "30s: c"], global_batch=4, seq_len=32)
     assert plan.sources == ("a", "b", "c")
-    assert [(s.start, s.ramp) for s in plan.stages] == [(0, 0), (20, 8), (30, 0)]
+    assert [(s.start, s.ramp, s.seq_len) for s in plan.stages] == [(0, 0, 32), (20, 8, 32), (30, 0, 32)]
     expect = {0: (0.75, 0.25, 0), 19: (0.75, 0.25, 0), 20: (0.75, 0.25, 0), 22: (0.5625, 0.3125, 0.125),
               24: (0.375, 0.375, 0.25), 27: (0.09375, 0.46875, 0.4375), 28: (0, 0.5, 0.5), 29: (0, 0.5, 0.5),
               30: (0, 0, 1), 10 ** 9: (0, 0, 1)}
@@ -73,7 +74,7 @@ def test_ramp_weights_at_chosen_positions_by_hand():
 def test_draws_follow_the_weights_and_the_written_rule():
     n = 10_000
     weights = [(0.7, 0.3, 0.0), (0.2, 0.5, 0.3), (0.0, 0.0, 1.0)]
-    plan = StagePlan.parse(["0: 0.7 a 0.3 b", f"{n}s: 0.2 a 0.5 b 0.3 c", f"{2 * n}s: c"], global_batch=8)
+    plan = StagePlan.parse(["0: 0.7 a 0.3 b", f"{n}s: 0.2 a 0.5 b 0.3 c", f"{2 * n}s: c"], global_batch=8, seq_len=32)
     src = draw_sources(plan, np.arange(3 * n), seed=11)
     for k, w in enumerate(weights):
         counts = np.bincount(src[k * n:(k + 1) * n], minlength=3)
@@ -87,9 +88,19 @@ def test_draws_follow_the_weights_and_the_written_rule():
         assert src[p] == _source(list(w), _u(p, 11)), p
 
 
+def test_a_stage_of_another_length_is_its_own_stream_with_its_own_micro_batch():
+    plan = StagePlan.parse(["0: 0.5 a 0.5 b", "4 seq 64: a", "6: a"], global_batch=8, seq_len=32)
+    assert plan.streams == (("a", 32), ("b", 32), ("a", 64)) and plan.sources == ("a", "b")
+    assert [s.weights for s in plan.stages] == [(0.5, 0.5, 0.0), (0.0, 0.0, 1.0), (1.0, 0.0, 0.0)]
+    assert [plan.seq_len_at(p) for p in (0, 31, 32, 47, 48)] == [32, 32, 64, 64, 32]
+    # about the same tokens per microbatch, a divisor of the rank's share, at least 1 (worked by hand)
+    assert [stage_micro_batch(*a) for a in [(8, 32, 64, 8), (2, 128, 512, 6), (4, 128, 64, 6), (4, 128, 96, 6),
+                                            (3, 32, 32, 6)]] == [4, 1, 6, 3, 3]
+
+
 def test_counts_and_reads_equal_a_loop_over_positions():
     G = 6
-    plan = StagePlan.parse(["0: 0.5 a 0.5 b", "3 ramp 2: 1 c", "47s: 0.1 a 0.9 b"], global_batch=G)
+    plan = StagePlan.parse(["0: 0.5 a 0.5 b", "3 ramp 2: 1 c", "47s: 0.1 a 0.9 b"], global_batch=G, seq_len=32)
     sampler = StageSampler(plan, seed=3, global_batch=G)
     ref_src = [int(s) for s in draw_sources(plan, np.arange(20 * G), 3)]
     seen = [0, 0, 0]
@@ -118,13 +129,16 @@ def test_counts_and_reads_equal_a_loop_over_positions():
     (["0: a", "0: b"], "stages start in increasing order"),
     (["0 ramp 3: a"], "no previous weights to ramp from"),
     (["0: a", "4 ramp 4: b", "6: a"], "inside the previous stage's ramp"),
-    (["0 a"], "write 'START[ ramp R]: BLEND'"),
+    (["0 a"], "write 'START[ ramp R][ seq L]: BLEND'"),
+    (["0: a", "3s seq 64: a"], "changes the sequence length (32 -> 64): it must start on a global batch boundary"),
+    (["0: a", "1 ramp 1 seq 64: a"], "changes the sequence length (32 -> 64)"),
+    (["0 seq 0: a"], "seq 0 must be >= 1"),
     (["0: 0.5 a b"], "blend '0.5 a b': a blend is 'WEIGHT PREFIX"),
     (["0: -1 a 1 b"], "blend weight -1 must be a positive number"),
 ])
 def test_bad_stages_are_one_line_errors(entries, message):
     with pytest.raises(DataError, match=re.escape(message)) as e:
-        StagePlan.parse(entries, global_batch=4)
+        StagePlan.parse(entries, global_batch=4, seq_len=32)
     assert "\n" not in str(e.value)
 
 
@@ -153,7 +167,7 @@ def _source_files(directory, n_docs=(300, 300), seed=0):
 
 def test_the_same_global_batches_on_1_2_and_4_ranks_and_the_reads_of_the_rule(tmp_path, one_process_group):
     web, code = _source_files(tmp_path, n_docs=(300, 40))
-    plan = StagePlan.parse([f"0: {web}", f"3s ramp 2: 0.5 {web} 0.5 {code}", f"61s: {code}"], global_batch=8)
+    plan = StagePlan.parse([f"0: {web}", f"3s ramp 2: 0.5 {web} 0.5 {code}", f"61s: {code}"], global_batch=8, seq_len=32)
     fractions = (0.95, 0.05, 0.0)
     tok = ByteTokenizer()
     check_prefixes([web, code], {p: IndexedTokens(p) for p in (web, code)}, "95,5,0", fractions, tok, 256, ("train",))
@@ -209,11 +223,11 @@ def _samples(rows):
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory):
-    """Sources, stages (a ramp, a boundary inside global batch 8 at sample 61, a stage from batch 10) and the
-    unbroken reference run."""
+    """Sources, stages (a ramp, a boundary inside global batch 8 at sample 61, a stage of 64-token sequences from
+    batch 10, the run's being 32) and the unbroken reference run."""
     tmp = tmp_path_factory.mktemp("stages")
     web, code = _source_files(tmp)
-    stages = [f"0: {web}", f"3 ramp 3: 0.5 {web} 0.5 {code}", f"61s: 0.25 {web} 0.75 {code}", f"10: {code}"]
+    stages = [f"0: {web}", f"3 ramp 3: 0.5 {web} 0.5 {code}", f"61s: 0.25 {web} 0.75 {code}", f"10 seq 64: {code}"]
     ref = tmp / "ref"
     out = run_cli(_staged_args(tmp, ref, stages))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -230,6 +244,8 @@ def test_stage_and_counts_per_row_follow_the_stages(staged):
         assert row["stage"] == (1 if last < 24 else 2 if last < 61 else 3 if last < 80 else 4)
     assert [rows[s]["samples/code"] for s in (1, 2, 3)] == [0, 0, 0]  # web alone for 3 batches
     assert rows[12]["samples/web"] == rows[10]["samples/web"]  # code alone from batch 10 (samples 80..)
+    assert [rows[s]["seq_len"] for s in (10, 11, 12)] == [32, 64, 64]
+    assert [rows[s]["consumed_tokens"] for s in (10, 11, 12)] == [80 * 32, 80 * 32 + 8 * 64, 80 * 32 + 16 * 64]
     vals = [r for r in metrics_rows(ref) if "val_loss" in r]
     assert [r["step"] for r in vals] == [0, 6, 12]
     for r in vals:  # the overall loss is the token-weighted mean of the two sources' (same token count each)
@@ -303,5 +319,5 @@ def test_a_source_that_runs_out_stops_the_run_at_start_when_asked(tmp_path, caps
     run = launcher("pretrain_gpt")
     assert run.cli(_staged_args(tmp_path, run_dir, stages, "--data.source_exhausted", "stop")[1:]) == 2
     err = capsys.readouterr().err
-    assert f"data.stages read {code} past its one pass" in err and "--data.source_exhausted wrap" in err
+    assert f"data.stages read {code} (seq 32) past its one pass" in err and "--data.source_exhausted wrap" in err
     assert err.count("\n") == 1 and not run_dir.exists()

@@ -102,7 +102,8 @@ def stage_origin(path: Path, cfg, plan, saved_origin, next_batch: int):
     """Where a staged run's sampler starts when it resumes from checkpoint `path` before 0-based global batch
     `next_batch` (hybridpar.data.stages): the checkpoint's own origin (stage_origin in its trainer state) when the
     stages and seed are those it was saved with; after an allowed change, (next_batch, each source's count there
-    under the checkpoint's stages), a source new to the run starting at 0. None: from batch 0, no origin."""
+    under the checkpoint's stages), a stream (source, seq_len) new to the run starting at 0. None: from batch 0,
+    no origin."""
     import numpy as np
 
     from hybridpar.data.stages import StagePlan, StageSampler
@@ -115,9 +116,10 @@ def stage_origin(path: Path, cfg, plan, saved_origin, next_batch: int):
         return origin if origin is not None and origin[0] > 0 else None
     counts = {}
     if old_stages:
-        old = StagePlan.parse(old_stages, cfg.train.global_batch_size)
-        if origin is not None and len(origin[1]) != len(old.sources):
+        old = StagePlan.parse(old_stages, cfg.train.global_batch_size, saved.get("train", {}).get("seq_len",
+                                                                                                 cfg.train.seq_len))
+        if origin is not None and len(origin[1]) != len(old.streams):
             origin = None
         drawn = StageSampler(old, old_seed, cfg.train.global_batch_size, origin).counts_before(next_batch)
-        counts = dict(zip(old.sources, drawn.tolist()))
-    return next_batch, np.array([counts.get(s, 0) for s in plan.sources], np.int64)
+        counts = dict(zip(old.streams, drawn.tolist()))
+    return next_batch, np.array([counts.get(s, 0) for s in plan.streams], np.int64)

@@ -178,37 +178,40 @@ def source_names(prefixes) -> list[str]:
 
 
 def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
-    """The data of a run with data.stages (hybridpar.data.stages): every source opened and checked once, its first
-    pass (and validation samples) built, the draws of the whole run counted to know how many passes each source
-    needs (data.source_exhausted: wrap builds them, stop refuses the run), then the position-keyed loader."""
+    """The data of a run with data.stages (hybridpar.data.stages): every source opened and checked once, each
+    stream's first pass (and each source's validation samples, at train.seq_len) built, the draws of the whole run
+    counted to know how many passes each stream needs (data.source_exhausted: wrap builds them, stop refuses the
+    run), then the position-keyed loader."""
     cfg, tokenizer, plan = run.cfg, run.tokenizer, run.stages
     d, t, vocab, G = cfg.data, cfg.train, cfg.model.vocab_size, cfg.train.global_batch_size
     builtin = _rank_zero_first(lambda: prepare_builtin(d, tokenizer))[0] if "builtin" in plan.sources else None
-    prefixes = [builtin if p == "builtin" else p for p in plan.sources]
-    indexes = {p: IndexedTokens(p) for p in prefixes}
-    check_prefixes(prefixes, indexes, d.split, d.split_fractions, tokenizer, vocab, ("train", "valid"))
-    args = (d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, d.cache_path)
-    n_valid = t.eval_batches * G if t.eval_interval else 0
-    first = [build_passes(p, range(1), *args, n_valid=n_valid) for p in prefixes]
-    streams = [passes for passes, _ in first]
+    path = {p: builtin if p == "builtin" else p for p in plan.sources}
+    indexes = {p: IndexedTokens(p) for p in path.values()}
+    check_prefixes(list(indexes), indexes, d.split, d.split_fractions, tokenizer, vocab, ("train", "valid"))
+    split = (d.split, d.split_fractions)
+    streams = [build_passes(path[p], range(1), *split, length, t.seed, tokenizer, d.cache_path)[0]
+               for p, length in plan.streams]
     sampler = StageSampler(plan, t.seed, G)
     n_batches = train_batches(cfg)
     drawn = sampler.counts_before(n_batches)
-    for s, (prefix, passes) in enumerate(zip(plan.sources, streams)):
+    for s, ((prefix, length), passes) in enumerate(zip(plan.streams, streams)):
         per_pass = len(passes[0])
         need = -(-int(drawn[s]) // per_pass)
         if need > 1 and d.source_exhausted == "stop":
             batch = next(b for b in range(n_batches + 1) if sampler.counts_before(b)[s] > per_pass)
-            raise DataError(f"data.stages read {prefix} past its one pass ({per_pass:,} train samples) at batch {batch} "
-                            f"of {n_batches} ({int(drawn[s]):,} drawn in all); add data, lower its weight, or pass "
-                            f"--data.source_exhausted wrap")
-        passes += build_passes(prefixes[s], range(1, need), *args)[0]
+            raise DataError(f"data.stages read {prefix} (seq {length}) past its one pass ({per_pass:,} train samples) "
+                            f"at batch {batch} of {n_batches} ({int(drawn[s]):,} drawn in all); add data, lower its "
+                            f"weight, or pass --data.source_exhausted wrap")
+        passes += build_passes(path[prefix], range(1, need), *split, length, t.seed, tokenizer, d.cache_path)[0]
     names = source_names(plan.sources)
-    dataset = StagedDataset(sampler, streams, n_batches * G, names)
+    dataset = StagedDataset(sampler, streams, n_batches * G, names, t.micro_batch_size, t.seq_len)
     train = GlobalBatchLoader(dataset, G, t.micro_batch_size, dp_rank, dp_size, vocab, "train",
                               pin_memory=run.device.type == "cuda")
-    valid_sources = {n: _valid_batches(v, t, dp_rank, dp_size, vocab) for n, (_, v) in zip(names, first)}
+    n_valid = t.eval_batches * G if t.eval_interval else 0
+    valid_sources = {n: _valid_batches(build_passes(path[p], range(0), *split, t.seq_len, t.seed, tokenizer,
+                                                    d.cache_path, n_valid)[1], t, dp_rank, dp_size, vocab)
+                     for n, p in zip(names, plan.sources)} if n_valid else {}
     valid = [mb for batches in valid_sources.values() for mb in batches]
-    description = (f"{len(plan.stages)} stage(s) over {len(names)} source(s) ({', '.join(names)}; passes built: "
-                   f"{', '.join(str(len(p)) for p in streams)})")
+    description = (f"{len(plan.stages)} stage(s) over {len(names)} source(s) ({', '.join(names)}; passes built per "
+                   f"stream: {', '.join(str(len(p)) for p in streams)})")
     return TrainingData(tokenizer, train, valid, description, float("nan"), valid_sources)

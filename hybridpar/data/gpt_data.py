@@ -207,17 +207,16 @@ def build_gpt_datasets(blend: list[tuple[float, str]], indexes: dict[str, Indexe
 
 def build_passes(prefix: str, passes: range, split: str, fractions, seq_len: int, seed: int, tokenizer,
                  cache_dir: Path, n_valid: int = 0) -> tuple[list, object]:
-    """Passes `passes` over one prefix's train split (pass e: one epoch in megatron-core's order for seed
-    + 7919 e, hybridpar.data.stages), and with n_valid its first n_valid validation samples; checked prefixes only."""
+    """Passes `passes` over one prefix's train split in sequences of seq_len tokens (pass e: one epoch in
+    megatron-core's order for seed + 7919 e, hybridpar.data.stages), and with n_valid its first n_valid validation
+    samples (else None); checked prefixes only."""
     from hybridpar.data.stages import PASS_SEED_STRIDE
 
-    def build():
-        out = [_build([(1.0, prefix)], split, fractions, seq_len, seed + PASS_SEED_STRIDE * e, tokenizer,
-                      {"train": None, **({"valid": n_valid} if e == 0 and n_valid else {})}, cache_dir)
-               for e in passes]
-        return [o["train"] for o in out], (out[0].get("valid") if out else None)
+    def one(split_name: str, seed_: int, n):
+        return _build([(1.0, prefix)], split, fractions, seq_len, seed_, tokenizer, {split_name: n}, cache_dir)
 
-    return rank_zero_first(build)
+    return rank_zero_first(lambda: ([one("train", seed + PASS_SEED_STRIDE * e, None)["train"] for e in passes],
+                                    one("valid", seed, n_valid)["valid"] if n_valid else None))
 
 
 class GlobalBatchLoader:
@@ -248,6 +247,7 @@ class GlobalBatchLoader:
         y = torch.stack([r["labels"] for r in rows])
         mask = torch.stack([r["loss_mask"] for r in rows])
         y = y.masked_fill(mask == 0, IGNORE_INDEX)
+        micro = self.dataset.micro_batch(step, self.per_rank) if hasattr(self.dataset, "micro_batch") else self.micro
         hi, lo = int(torch.maximum(x.max(), y.max())), int(x.min())
         if hi >= self.vocab_size or lo < 0:
             raise DataError(f"{self.name} samples {idx.start}..{idx.stop - 1} hold token id {hi if lo >= 0 else lo} "
@@ -258,7 +258,7 @@ class GlobalBatchLoader:
         self.crc32[step] = zlib.crc32(y.numpy().tobytes(), zlib.crc32(x.numpy().tobytes()))
         if self.pin:
             x, y = x.pin_memory(), y.pin_memory()
-        return [(x[m:m + self.micro], y[m:m + self.micro]) for m in range(0, self.per_rank, self.micro)]
+        return [(x[m:m + micro], y[m:m + micro]) for m in range(0, self.per_rank, micro)]
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The microbatches that 0-based optimizer step `step` trains: global batch order(step) (the step itself,

@@ -1,22 +1,29 @@
 """Data stages: a mixture of sources that changes during a run (data.stages), exact, resumable and layout-free.
 
-A stage is 'START[ ramp R]: BLEND': from global batch START (or sample START with an 's' suffix, so a boundary can
-fall inside a global batch) the sources are drawn with BLEND's weights ('W1 PREFIX1 W2 PREFIX2 ...' or one PREFIX,
-the data.path syntax; 'builtin' names the built-in corpus). With 'ramp R' the weights move linearly from the
-previous stage's to this one's over the R batches (or samples) after START.
+A stage is 'START[ ramp R][ seq L]: BLEND': from global batch START (or sample START with an 's' suffix, so a
+boundary can fall inside a global batch) the sources are drawn with BLEND's weights ('W1 PREFIX1 W2 PREFIX2 ...' or
+one PREFIX, the data.path syntax; 'builtin' names the built-in corpus). With 'ramp R' the weights move linearly from
+the previous stage's to this one's over the R batches (or samples) after START. With 'seq L' the stage trains
+sequences of L tokens (default train.seq_len): a stage that changes the length starts on a global batch boundary,
+without a ramp, and its micro-batch holds train.micro_batch_size x train.seq_len / L sequences (rounded down to a
+divisor of the rank's share of the batch, at least 1), so a microbatch keeps about the same number of tokens.
+
+The draws are over streams: a source at one sequence length. A source read at a new length is a stream of its own,
+with its own order from its first sample (megatron-core packs samples for one length): its documents can be seen
+again at the new length.
 
 The rule, for train sample position p (0-based, counted over the whole run: global batch b holds [bG, (b+1)G)):
   1. w(p): the weights of the last stage with start <= p; inside its ramp, (1 - f) w_prev + f w_stage with
      f = (p - start) / ramp.
   2. u(p) = splitmix64(p + (seed + 1) * 0x9E3779B97F4A7C15 mod 2^64) >> 11, divided by 2^53: uniform in [0, 1).
-  3. source(p) = the first source whose cumulative weight exceeds u(p) (inverse CDF, sources in order of first
-     appearance in data.stages).
-  4. The sample read is the next unread one of that source: its n-th, n = #{q < p : source(q) = source(p)}.
+  3. stream(p) = the first stream whose cumulative weight exceeds u(p) (inverse CDF, streams in order of first
+     appearance in data.stages; a stage gives weight only to the streams of its own length).
+  4. The sample read is the next unread one of that stream: its n-th, n = #{q < p : stream(q) = stream(p)}.
 So the sample at p is a pure function of (seed, stages, p): the data-parallel size, restarts and train.steps do not
-enter. Each source reads its train split in megatron-core's GPTDataset order, one pass (one epoch of its documents)
-at a time: pass e is shuffled with seed + 7919 e, so a source's own order never depends on the stages, on its
-weights or on the run's length. A source read past its first pass wraps into the next (data.source_exhausted=wrap)
-or stops the run at start, naming it (stop).
+enter. Each stream reads its source's train split in megatron-core's GPTDataset order, one pass (one epoch of its
+documents) at a time: pass e is shuffled with seed + 7919 e, so a stream's own order never depends on the stages, on
+its weights or on the run's length. A stream read past its first pass wraps into the next
+(data.source_exhausted=wrap) or stops the run at start, naming it (stop).
 
 A change of stages on resume (checkpoint.allow_data_change) keeps every source's position: the new rule applies
 from the resume batch b0 on, step 4 counting from each source's count at b0 under the old rule (the origin, saved
@@ -36,55 +43,70 @@ from hybridpar.data.indexed import DataError
 GOLDEN = 0x9E3779B97F4A7C15
 PASS_SEED_STRIDE = 7919  # pass e of a source is megatron-core's epoch order for seed + 7919 e
 CHUNK_SAMPLES = 1 << 20  # positions drawn per numpy chunk when counting (about 50 MB of temporaries)
-_STAGE = re.compile(r"\s*(\d+)(s?)(?:\s+ramp\s+(\d+)(s?))?\s*:\s*(.+?)\s*$")
+_STAGE = re.compile(r"\s*(\d+)(s?)(?:\s+ramp\s+(\d+)(s?))?(?:\s+seq\s+(\d+))?\s*:\s*(.+?)\s*$")
 
 
 @dataclass(frozen=True)
 class Stage:
     start: int  # first sample position
     ramp: int  # samples over which the weights move from the previous stage's (0: at once)
-    weights: tuple[float, ...]  # one per source of the run (StagePlan.sources), normalised
+    seq_len: int  # tokens per sequence
+    weights: tuple[float, ...]  # one per stream of the run (StagePlan.streams), normalised
 
 
 @dataclass(frozen=True)
 class StageText:
-    """One data.stages entry, parsed: start and ramp as (number, in samples?), the blend as (weight, prefix)."""
+    """One data.stages entry, parsed: start and ramp as (number, in samples?), seq_len (None: train.seq_len), the
+    blend as (weight, prefix)."""
     start: tuple[int, bool]
     ramp: tuple[int, bool]
+    seq_len: int | None
     blend: tuple[tuple[float, str], ...]
 
 
 def parse_stage(text: str) -> StageText:
-    """'START[ ramp R]: BLEND' -> StageText; a one-line DataError naming the entry otherwise."""
+    """'START[ ramp R][ seq L]: BLEND' -> StageText; a one-line DataError naming the entry otherwise."""
     from hybridpar.data.gpt_data import parse_blend
 
     m = _STAGE.fullmatch(str(text))
     if m is None:
-        raise DataError(f"data.stages entry {text!r}: write 'START[ ramp R]: BLEND', START and R in global batches "
+        raise DataError(f"data.stages entry {text!r}: write 'START[ ramp R][ seq L]: BLEND', START and R in global batches "
                         f"(or samples with an 's' suffix), e.g. '0: 0.7 /data/web 0.3 /data/code' or "
                         f"'2000 ramp 500: /data/code'")
     try:
-        blend = parse_blend(m[5])
+        blend = parse_blend(m[6])
     except DataError as e:
         raise DataError(f"data.stages entry {text!r}: {str(e).replace('data.path=', 'blend ')}") from None
-    return StageText((int(m[1]), bool(m[2])), (int(m[3] or 0), bool(m[4])), tuple(blend))
+    if m[5] is not None and int(m[5]) < 1:
+        raise DataError(f"data.stages entry {text!r}: seq {m[5]} must be >= 1")
+    return StageText((int(m[1]), bool(m[2])), (int(m[3] or 0), bool(m[4])), int(m[5]) if m[5] else None, tuple(blend))
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """data.stages resolved for a global batch size: the sources (prefixes, first-appearance order) and stages."""
-    sources: tuple[str, ...]
+    """data.stages resolved for a global batch size and train.seq_len: the streams ((prefix, seq_len) pairs, in
+    order of first appearance) and the stages."""
+    streams: tuple[tuple[str, int], ...]
     stages: tuple[Stage, ...]
 
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p for p, _ in self.streams))
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(sorted({s.seq_len for s in self.stages}))
+
     @classmethod
-    def parse(cls, texts, global_batch: int) -> "StagePlan":
+    def parse(cls, texts, global_batch: int, seq_len: int) -> "StagePlan":
         parsed = [parse_stage(t) for t in texts]
-        sources = tuple(dict.fromkeys(p for s in parsed for _, p in s.blend))
+        streams = tuple(dict.fromkeys((p, s.seq_len or seq_len) for s in parsed for _, p in s.blend))
         stages, prev = [], None
         for text, s in zip(texts, parsed):
             start = s.start[0] if s.start[1] else s.start[0] * global_batch
             ramp = s.ramp[0] if s.ramp[1] else s.ramp[0] * global_batch
-            weights = dict((p, w) for w, p in s.blend)
+            length = s.seq_len or seq_len
+            weights = {(p, length): w for w, p in s.blend}
             if prev is None and start != 0:
                 raise DataError(f"data.stages entry {text!r}: the first stage must start at 0")
             if prev is not None and start <= prev.start:
@@ -92,12 +114,19 @@ class StagePlan:
                                 f"not after the previous stage's {prev.start})")
             if prev is None and ramp:
                 raise DataError(f"data.stages entry {text!r}: the first stage has no previous weights to ramp from")
-            stages.append(prev := Stage(start, ramp, tuple(weights.get(p, 0.0) for p in sources)))
+            if prev is not None and length != prev.seq_len and (ramp or start % global_batch):
+                raise DataError(f"data.stages entry {text!r} changes the sequence length ({prev.seq_len} -> {length}): "
+                                f"it must start on a global batch boundary (a multiple of {global_batch} samples) and "
+                                f"have no ramp, since one batch holds one length")
+            stages.append(prev := Stage(start, ramp, length, tuple(weights.get(k, 0.0) for k in streams)))
         for a, b, text in zip(stages, stages[1:], texts[1:]):
             if a.ramp and a.start + a.ramp > b.start:
                 raise DataError(f"data.stages entry {text!r} starts at sample {b.start}, inside the previous stage's "
                                 f"ramp (to sample {a.start + a.ramp}); shorten that ramp")
-        return cls(sources, tuple(stages))
+        return cls(streams, tuple(stages))
+
+    def seq_len_at(self, position: int) -> int:
+        return self.stages[self.stage_at(position) - 1].seq_len
 
     def weights_at(self, positions: np.ndarray) -> np.ndarray:
         """(N, S) mixture weights of sample positions (rule step 1)."""
@@ -130,7 +159,7 @@ def uniform(positions: np.ndarray, seed: int) -> np.ndarray:
 
 
 def draw_sources(plan: StagePlan, positions: np.ndarray, seed: int) -> np.ndarray:
-    """source(p) for each position (rule step 3), as indexes into plan.sources."""
+    """stream(p) for each position (rule step 3), as indexes into plan.streams."""
     w = plan.weights_at(positions)
     cdf = np.cumsum(w, axis=1)
     cdf /= cdf[:, -1:]  # exactly 1.0 from the last source of nonzero weight on: u < 1 never passes it
@@ -144,12 +173,12 @@ class StageSampler:
 
     def __init__(self, plan: StagePlan, seed: int, global_batch: int, origin: tuple[int, np.ndarray] | None = None):
         self.plan, self.seed, self.G = plan, seed, global_batch
-        self.origin_batch, counts = origin if origin is not None else (0, np.zeros(len(plan.sources), np.int64))
+        self.origin_batch, counts = origin if origin is not None else (0, np.zeros(len(plan.streams), np.int64))
         self._bounds = [np.asarray(counts, np.int64)]  # counts before batch origin_batch + i
         self._lock = threading.Lock()  # the loader's read-ahead thread and the trainer both ask
 
     def counts_before(self, batch: int) -> np.ndarray:
-        """Samples each source gave to global batches [0, batch) (from the origin's counts on)."""
+        """Samples each stream gave to global batches [0, batch) (from the origin's counts on)."""
         i = batch - self.origin_batch
         if i < 0:
             raise DataError(f"batch {batch + 1} lies before batch {self.origin_batch + 1}, where the data stages were "
@@ -159,29 +188,39 @@ class StageSampler:
                 b0 = self.origin_batch + len(self._bounds) - 1
                 n = max(1, min(i + 1 - len(self._bounds), CHUNK_SAMPLES // self.G))
                 src = draw_sources(self.plan, np.arange(b0 * self.G, (b0 + n) * self.G), self.seed).reshape(n, self.G)
-                per_batch = np.stack([(src == s).sum(axis=1) for s in range(len(self.plan.sources))], axis=1)
+                per_batch = np.stack([(src == s).sum(axis=1) for s in range(len(self.plan.streams))], axis=1)
                 self._bounds.extend(self._bounds[-1] + np.cumsum(per_batch, axis=0))
             return self._bounds[i]
 
     def locate(self, positions: range) -> tuple[np.ndarray, np.ndarray]:
-        """(source, index in that source's stream) of consecutive positions inside one global batch."""
+        """(stream, index in that stream) of consecutive positions inside one global batch."""
         batch = positions.start // self.G
         src = draw_sources(self.plan, np.arange(batch * self.G, positions.stop), self.seed)
         before = self.counts_before(batch)
         index = np.empty(len(src), np.int64)
-        for s in range(len(self.plan.sources)):
+        for s in range(len(self.plan.streams)):
             mine = src == s
             index[mine] = before[s] + np.arange(mine.sum())
         k = positions.start - batch * self.G
         return src[k:], index[k:]
 
 
+def stage_micro_batch(micro: int, seq_len: int, stage_seq_len: int, per_rank: int) -> int:
+    """Sequences per microbatch in a stage of stage_seq_len tokens when train.micro_batch_size=micro holds
+    seq_len-token ones: about the same tokens, rounded down to a divisor of the rank's per_rank samples, >= 1."""
+    want = max(1, micro * seq_len // stage_seq_len)
+    return max(d for d in range(1, min(want, per_rank) + 1) if per_rank % d == 0)
+
+
 class StagedDataset:
     """The train samples of a staged run, by global position: dataset[p] is the sample of rule steps 1-4. Each
-    source's stream is a list of megatron-core GPTDatasets, one per pass (hybridpar.data.gpt_data builds them)."""
+    stream is a list of megatron-core GPTDatasets, one per pass (hybridpar.data.gpt_data builds them); `names` are
+    the sources' short names (metrics), in plan.sources order."""
 
-    def __init__(self, sampler: StageSampler, streams: list[list], n_samples: int, names: list[str]):
+    def __init__(self, sampler: StageSampler, streams: list[list], n_samples: int, names: list[str],
+                 micro: int = 1, seq_len: int = 0):
         self.sampler, self.streams, self.n_samples, self.names = sampler, streams, n_samples, names
+        self.micro, self.seq_len = micro, seq_len  # train.micro_batch_size and train.seq_len (micro_batch)
 
     def __len__(self) -> int:
         return self.n_samples
@@ -194,7 +233,8 @@ class StagedDataset:
         passes = self.streams[s]
         per_pass = len(passes[0])
         if n // per_pass >= len(passes):
-            raise DataError(f"data.stages: source {self.sampler.plan.sources[s]} was read to sample {n + 1}, past the "
+            prefix, length = self.sampler.plan.streams[s]
+            raise DataError(f"data.stages: source {prefix} (seq {length}) was read to sample {n + 1}, past the "
                             f"{len(passes)} pass(es) built at start ({per_pass} samples each)")
         return passes[n // per_pass][n % per_pass]
 
@@ -203,23 +243,37 @@ class StagedDataset:
         src, index = self.sampler.locate(positions)
         return [self.read(int(s), int(n)) for s, n in zip(src, index)]
 
+    def micro_batch(self, batch: int, per_rank: int) -> int:
+        """Sequences per microbatch in 0-based global batch `batch` (stage_micro_batch of its stage's length)."""
+        plan = self.sampler.plan
+        return stage_micro_batch(self.micro, self.seq_len, plan.seq_len_at(batch * self.sampler.G), per_rank)
+
     def restart_at(self, batch: int, counts: np.ndarray) -> None:
-        """Apply the stages from global batch `batch` on, each source continuing from `counts` (a changed-stage
+        """Apply the stages from global batch `batch` on, each stream continuing from `counts` (a changed-stage
         resume)."""
         self.sampler = StageSampler(self.sampler.plan, self.sampler.seed, self.sampler.G, (batch, counts))
 
     def origin(self) -> np.ndarray:
         """[origin batch, counts...]: what a checkpoint keeps to rebuild this sampler."""
-        return np.concatenate([[self.sampler.origin_batch], self.sampler._bounds[0]]).astype(np.int64)
+        return np.concatenate([[self.sampler.origin_batch], self.sampler.counts_before(self.sampler.origin_batch)]
+                              ).astype(np.int64)
 
     def row(self, next_batch: int, windows: list[tuple[int, int]]) -> dict:
         """Metrics of the batches trained before 0-based batch `next_batch`: `stage`, the stage of the last sample
-        trained, and `samples/<source>`, each source's samples trained (the batches in the skipped windows, 1-based
-        and inclusive, drew theirs but trained none; batches before an origin count as its counts say)."""
-        c = self.sampler.counts_before(next_batch).copy()
+        trained, and its `seq_len`, `samples/<source>`, each source's samples trained, and `consumed_tokens` (the
+        batches in the
+        skipped windows, 1-based and inclusive, drew theirs but trained none; batches before an origin count as
+        its counts say)."""
+        sampler, plan = self.sampler, self.sampler.plan
+        c = sampler.counts_before(next_batch).copy()
         for first, last in windows:
-            a, b = max(first - 1, self.sampler.origin_batch), min(last, next_batch)
+            a, b = max(first - 1, sampler.origin_batch), min(last, next_batch)
             if a < b:
-                c -= self.sampler.counts_before(b) - self.sampler.counts_before(a)
-        return {"stage": self.sampler.plan.stage_at(next_batch * self.sampler.G - 1),
-                **{f"samples/{n}": int(k) for n, k in zip(self.names, c)}}
+                c -= sampler.counts_before(b) - sampler.counts_before(a)
+        per_source = dict.fromkeys(plan.sources, 0)
+        for (prefix, length), k in zip(plan.streams, c.tolist()):
+            per_source[prefix] += k
+        last = next_batch * sampler.G - 1
+        return {"stage": plan.stage_at(last), "seq_len": plan.seq_len_at(last),
+                "consumed_tokens": int(sum(k * length for (_, length), k in zip(plan.streams, c.tolist()))),
+                **{f"samples/{n}": k for n, k in zip(self.names, per_source.values())}}
