@@ -129,6 +129,7 @@ class MetricsLogger:
         if "loss" in row:
             eta = row.get("step_time", float("nan")) * (self.total_steps - row["step"])
             mfu = f" | MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
+            mfu += f" | stage {row['stage']}" if "stage" in row else ""
             self.print(f"step {row['step']:>{len(str(self.total_steps))}}/{self.total_steps} | "
                        f"loss {row['loss']:.4f} | lr {row['lr']:.2e} | grad_norm {row['grad_norm']:.3f} | "
                        f"{row['tokens_per_sec']:,.0f} tok/s{mfu} | ETA {_fmt_eta(eta)}")

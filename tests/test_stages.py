@@ -23,6 +23,7 @@ from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
 from hybridpar.data.stages import (StagedDataset, StagePlan, StageSampler, draw_sources, stage_micro_batch,
                                    uniform)
 from hybridpar.data.tokenizer import ByteTokenizer
+from hybridpar.errors import ConfigError
 
 MASK = 2 ** 64 - 1
 
@@ -321,3 +322,18 @@ def test_a_source_that_runs_out_stops_the_run_at_start_when_asked(tmp_path, caps
     err = capsys.readouterr().err
     assert f"data.stages read {code} (seq 32) past its one pass" in err and "--data.source_exhausted wrap" in err
     assert err.count("\n") == 1 and not run_dir.exists()
+
+
+def test_the_planner_plans_the_longest_stage():
+    """launch/plan.py (the trainer's resolve) plans the batches of the longest stage: its sequence length and the
+    micro-batch that keeps a microbatch's tokens (4 x 2048 = 2 x 4096, a divisor of the rank's 32 samples)."""
+    plan = launcher("plan")
+    base = ["--model.name", "gpt3-1.3b", "--model.max_seq_len", "4096", "--train.seq_len", "2048",
+            "--train.global_batch_size", "512", "--train.micro_batch_size", "4", "--cluster.nodes", "2",
+            "--cluster.gpu", "h100", "--parallel.tp", "1"]
+    _, cfg, layout = plan.parse(base + ["--data.stages", "0: /data/web,1000 seq 4096: /data/code"])
+    assert (cfg.train.seq_len, cfg.train.micro_batch_size, layout.dp) == (4096, 2, 16)
+    _, plain, _ = plan.parse(base)
+    assert (plain.train.seq_len, plain.train.micro_batch_size) == (2048, 4)
+    with pytest.raises(ConfigError, match=r"data.stages: seq 8192 exceeds model.max_seq_len=4096"):
+        plan.parse(base + ["--data.stages", "0: /data/web,1000 seq 8192: /data/code"])

@@ -198,9 +198,9 @@ class DataConfig:
     skip_batches: list[str] = doc([], "global batches never to train, as ranges A-B of batch numbers (batch N is the "
                                       "one step N trains when nothing is skipped; comma-separated on the command "
                                       "line), added to those a checkpoint's rewinds skipped")
-    stages: list[str] = doc([], "a mixture that changes during the run: entries 'START[ ramp R]: BLEND' (START, R in "
-                                "global batches, or samples with an 's' suffix; BLEND as data.path), the first at 0; "
-                                "replaces data.path (docs/data.md#stages)")
+    stages: list[str] = doc([], "a mixture that changes during the run: entries 'START[ ramp R][ seq L]: BLEND' "
+                                "(START, R in global batches, or samples with an 's' suffix; L tokens per sequence; "
+                                "BLEND as data.path), the first at 0; replaces data.path (docs/data.md#stages)")
     source_exhausted: str = doc("wrap", "a stage source read past one pass over its train split: wrap (its next "
                                         "pass, reshuffled) or stop (refused at start, naming the source)")
 
