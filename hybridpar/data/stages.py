@@ -32,6 +32,7 @@ in the trainer state of later checkpoints). Positions before an origin are not d
 
 from __future__ import annotations
 
+import bisect
 import re
 import threading
 from dataclasses import dataclass
@@ -142,29 +143,47 @@ class StagePlan:
         return int(np.searchsorted([s.start for s in self.stages], position, side="right"))
 
 
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on a uint64 array, in place (a 1M-position chunk makes one temporary, not seven)."""
+    with np.errstate(over="ignore"):
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return z
+
+
 def splitmix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser (Steele, Lea, Flood 2014) of uint64 values, elementwise, wrapping mod 2^64."""
-    with np.errstate(over="ignore"):
-        z = x.astype(np.uint64)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+    return _mix(x.astype(np.uint64, copy=True))
 
 
 def uniform(positions: np.ndarray, seed: int) -> np.ndarray:
     """u(p) in [0, 1), 53 random bits (rule step 2)."""
+    z = positions.astype(np.uint64, copy=True)
     with np.errstate(over="ignore"):
-        key = np.uint64((seed + 1) * GOLDEN % 2 ** 64)
-        return (splitmix64(positions.astype(np.uint64) + key) >> np.uint64(11)).astype(np.float64) / 2.0 ** 53
+        z += np.uint64((seed + 1) * GOLDEN % 2 ** 64)
+    _mix(z)
+    z >>= np.uint64(11)
+    return z.astype(np.float64) * 2.0 ** -53
 
 
 def draw_sources(plan: StagePlan, positions: np.ndarray, seed: int) -> np.ndarray:
-    """stream(p) for each position (rule step 3), as indexes into plan.streams."""
-    w = plan.weights_at(positions)
-    cdf = np.cumsum(w, axis=1)
-    cdf /= cdf[:, -1:]  # exactly 1.0 from the last source of nonzero weight on: u < 1 never passes it
+    """stream(p) for each of the ascending positions (rule step 3), as indexes into plan.streams. Outside ramps a
+    stage's weights are constant: one CDF for the whole stretch (the same numbers as weights_at's f = 1)."""
     u = uniform(positions, seed)
-    return (cdf <= u[:, None]).sum(axis=1)
+    out = np.empty(len(positions), np.int64)
+    bounds = [s.start for s in plan.stages] + [np.iinfo(np.int64).max]
+    for stage, end in zip(plan.stages, bounds[1:]):
+        a, r, b = np.searchsorted(positions, [stage.start, stage.start + stage.ramp, end])
+        if a < r:  # the ramp: weights per position
+            cdf = np.cumsum(plan.weights_at(positions[a:r]), axis=1)
+            out[a:r] = (cdf / cdf[:, -1:] <= u[a:r, None]).sum(axis=1)
+        if r < b:
+            cdf = np.cumsum(np.array(stage.weights))
+            out[r:b] = np.searchsorted(cdf / cdf[-1], u[r:b], side="right")
+    return out
 
 
 class StageSampler:
@@ -174,7 +193,9 @@ class StageSampler:
     def __init__(self, plan: StagePlan, seed: int, global_batch: int, origin: tuple[int, np.ndarray] | None = None):
         self.plan, self.seed, self.G = plan, seed, global_batch
         self.origin_batch, counts = origin if origin is not None else (0, np.zeros(len(plan.streams), np.int64))
-        self._bounds = [np.asarray(counts, np.int64)]  # counts before batch origin_batch + i
+        # Counts before batch origin_batch + i, in chunks of rows: chunk c holds rows _starts[c] .. + len - 1.
+        self._chunks, self._starts = [np.asarray(counts, np.int64).reshape(1, -1)], [0]
+        self._known = 1
         self._lock = threading.Lock()  # the loader's read-ahead thread and the trainer both ask
 
     def counts_before(self, batch: int) -> np.ndarray:
@@ -184,13 +205,16 @@ class StageSampler:
             raise DataError(f"batch {batch + 1} lies before batch {self.origin_batch + 1}, where the data stages were "
                             f"changed on resume: the current data.stages do not define it")
         with self._lock:
-            while len(self._bounds) <= i:
-                b0 = self.origin_batch + len(self._bounds) - 1
-                n = max(1, min(i + 1 - len(self._bounds), CHUNK_SAMPLES // self.G))
-                src = draw_sources(self.plan, np.arange(b0 * self.G, (b0 + n) * self.G), self.seed).reshape(n, self.G)
-                per_batch = np.stack([(src == s).sum(axis=1) for s in range(len(self.plan.streams))], axis=1)
-                self._bounds.extend(self._bounds[-1] + np.cumsum(per_batch, axis=0))
-            return self._bounds[i]
+            while self._known <= i:
+                b0, S = self.origin_batch + self._known - 1, len(self.plan.streams)
+                n = max(1, min(i + 1 - self._known, CHUNK_SAMPLES // self.G))
+                src = draw_sources(self.plan, np.arange(b0 * self.G, (b0 + n) * self.G), self.seed)
+                per_batch = np.bincount(np.repeat(np.arange(n) * S, self.G) + src, minlength=n * S).reshape(n, S)
+                self._chunks.append(self._chunks[-1][-1] + np.cumsum(per_batch, axis=0))
+                self._starts.append(self._known)
+                self._known += n
+            c = bisect.bisect_right(self._starts, i) - 1
+            return self._chunks[c][i - self._starts[c]]
 
     def locate(self, positions: range) -> tuple[np.ndarray, np.ndarray]:
         """(stream, index in that stream) of consecutive positions inside one global batch."""
