@@ -143,7 +143,7 @@ def test_bad_stages_are_one_line_errors(entries, message):
     assert "\n" not in str(e.value)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def one_process_group(tmp_path_factory):
     """megatron-core asks torch.distributed for the rank, as hybridpar's launcher provides even for one process."""
     import torch.distributed as dist
