@@ -31,9 +31,11 @@ setup(
     extras_require={
         # wandb 0.31: tests/wandb_file.py reads that version's run files; transformers: HF round trips; matplotlib: plot_metrics; tensorboard: the TensorBoard writer;
         # psutil: megatron-core's dist_checkpointing.save, which writes the reference saves of tests/test_megatron.py;
-        # lm-eval: the harness's hybridpar model type, tested against hybridpar's evaluator (tests/test_evaluate.py)
+        # lm-eval: the harness's hybridpar model type, tested against hybridpar's evaluator (tests/test_evaluate.py);
+        # torchao: train.fp8, run through its CPU emulation (tests/test_fp8.py)
         "test": ["pytest>=7", "wandb==0.31.*", "pytest-timeout", "transformers", "matplotlib", "tensorboard", "psutil",
-                 "lm-eval==0.4.13"],
+                 "lm-eval==0.4.13", "torchao==0.18.0"],
+        "fp8": ["torchao==0.18.0"],  # train.fp8: torchao's float8 training (torch >= 2.11 for this version)
         "hf": ["transformers"],  # launch/convert_checkpoint.py to-hf / from-hf
         "plot": ["matplotlib"],  # launch/plot_metrics.py
         "eval": ["lm-eval==0.4.13"],  # launch/harness.py: lm-evaluation-harness with --model hybridpar

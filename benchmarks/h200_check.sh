@@ -7,7 +7,10 @@
 #   2. GPT-3 1.3B (vocab 50304, as the planner's), micro-batch 8 x 2048, bf16, compiled blocks: hybridpar's step
 #      against the plain loop in the same process (hybridpar's result is written before the baseline starts);
 #   3. the same 1.3B as 4 x 2 microbatches, accumulating unsharded and sharded: peak memory against the planner;
-#   4. GPT-3 6.7B, full activation checkpointing: speed, MFU, peak memory against the planner.
+#   4. GPT-3 6.7B, full activation checkpointing: speed, MFU, peak memory against the planner;
+#   5. fp8 (torchao, carried as a wheel): the 1.3B of step 2 with train.fp8 tensorwise and rowwise (tokens/s against
+#      step 2's bf16), and the convergence gate (benchmarks/fp8_gate.py: 300 steps of GPT-3 125M, bf16 against both
+#      recipes from one seed checkpoint).
 # Results go to $OUT (one JSON per check, log.txt, summary.txt); docs/performance.md takes the figures.
 #
 # SMOKE=1 runs the same steps on the CPU with the tiny models (no compile in steps 2-4): the test suite does, so
@@ -18,6 +21,8 @@
 #   mkdir -p .git/info; echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
 # then run it with the device tool: command `bash benchmarks/h200_check.sh`, carry [".whl"], timeout_s 600.
 set -uo pipefail
 OUT=${OUT:-/tmp/hybridpar-h200}
@@ -41,6 +46,7 @@ if [ "$SMOKE" = 1 ]; then
   BIG=(--model.name tiny --train.seq_len 64 --train.global_batch_size 8 --train.precision bf16)
   LARGE=("${BIG[@]}")
   COMPILE=false; STEPS=(--warmup 1 --steps 1); SHORT=(--warmup 0 --steps 1); LONG=120
+  GATE=(--steps 3 -- --model.name tiny --train.seq_len 64 --train.global_batch_size 4 --train.precision bf16)
 else
   if compgen -G ".whl/*.whl" > /dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -59,6 +65,8 @@ else
   LARGE=(--model.name gpt3-6.7b --model.vocab_size 50304 --train.seq_len 2048 --train.global_batch_size 8
          --train.precision bf16)
   COMPILE=true; STEPS=(--warmup 5 --steps 15); SHORT=(--warmup 2 --steps 3); LONG=180
+  GATE=(--steps 300 -- --model.name gpt3-125m --train.seq_len 1024 --train.global_batch_size 16
+        --train.precision bf16 --train.compile true)
 fi
 $PY -c "import torch, megatron.core.datasets; print('torch', torch.__version__, torch.cuda.is_available())" \
   2>&1 | tee -a "$OUT/log.txt"
@@ -84,6 +92,14 @@ done
 step bench_6.7b 100 $PY launch/benchmark.py "${LARGE[@]}" "${COMMON[@]}" --train.micro_batch_size 8 \
   --train.compile $COMPILE --train.activation_checkpointing full "${SHORT[@]}" --json "$OUT/bench_6.7b.json"
 
+# 5. fp8: the 1.3B of step 2 in both recipes, and the convergence gate
+for recipe in tensorwise rowwise; do
+  step "fp8_$recipe" $LONG $PY launch/benchmark.py "${BIG[@]}" "${COMMON[@]}" --train.micro_batch_size 8 \
+    --train.compile $COMPILE --train.fp8 $recipe "${STEPS[@]}" --json "$OUT/fp8_$recipe.json"
+done
+step fp8_gate 300 $PY benchmarks/fp8_gate.py --out "$OUT/gate" "${GATE[@]}" "${COMMON[@]}"
+cp "$OUT/gate/fp8_gate.json" "$OUT/fp8_gate.json" 2>/dev/null
+
 $PY - "$OUT" <<'EOF' 2>&1 | tee "$OUT/summary.txt" | tee -a "$OUT/log.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -98,7 +114,7 @@ for name in ("syncs", "bitwise", "bitwise_det", "attention", "compile"):
     if r is not None:
         print(f"{name}: {'ok' if r['ok'] else 'FAILED'} " + json.dumps({k: v for k, v in r.items() if k not in
               ("check", "ok", "losses", "torch", "device_name")}))
-for name in ("bench_1.3b", "accum_true", "accum_false", "bench_6.7b"):
+for name in ("bench_1.3b", "accum_true", "accum_false", "bench_6.7b", "fp8_tensorwise", "fp8_rowwise"):
     b = read(name)
     if b is None:
         continue
@@ -109,4 +125,13 @@ for name in ("bench_1.3b", "accum_true", "accum_false", "bench_6.7b"):
     print(f"{name}: {b['tokens_per_sec']:,.0f} tok/s, {b['tflops_per_device']:.1f} TFLOP/s{mfu}, {mem}, "
           f"{b['microbatches']} microbatch(es), accumulate_unsharded {b['accumulate_unsharded']}, "
           f"ratio to plain {b.get('ratio')}")
+base = read("bench_1.3b")
+for recipe in ("tensorwise", "rowwise"):
+    f = read(f"fp8_{recipe}")
+    if f is not None and base is not None:
+        print(f"fp8 {recipe}: {f['tokens_per_sec'] / base['tokens_per_sec']:.2f}x the bf16 1.3B's tokens/s")
+gate = read("fp8_gate")
+if gate is not None:
+    print(f"fp8_gate ({gate['steps']} steps): {'passed' if gate['passed'] else 'FAILED'} " + ", ".join(
+        f"{r} {g:+.2%}" for r, g in gate["gap"].items()) + f" (threshold {gate['threshold']:.0%})")
 EOF

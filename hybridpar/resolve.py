@@ -7,7 +7,8 @@ The order (docs/training.md walks it):
  1. run name and dir: run.name (the --config file's name, else the model's), run.dir = runs/<name>
  2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size;
     the sample count (train.steps x global batch) whose index the data layer must hold in memory; data.stages
- 3. precision: bf16 on GPUs that support it, fp32 on the CPU; the downstream tasks (train.eval_tasks' default)
+ 3. precision: bf16 on GPUs that support it, fp32 on the CPU; train.fp8 on this device (torchao importable, float8
+    tensor cores on a GPU); the downstream tasks (train.eval_tasks' default)
  4. the run dir's lock (a run owns its dir from here), the checkpoint to load and the W&B id it recorded
  5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple x tp)
  6. the layout's divisibility rules, with the final vocabulary; the micro-batch size
@@ -35,6 +36,7 @@ from hybridpar.data.stages import StagePlan, stage_micro_batch
 from hybridpar.errors import ConfigError, DataError, RunDirError
 from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
+from hybridpar.parallel.fp8 import check_fp8
 from hybridpar.parallel.distributed import WorldInfo, gpus_per_node, resolve_degrees
 from hybridpar.planning.layouts import choose_accumulation, gpu_by_name, refuse_if_too_big, usable_bytes
 from hybridpar.planning.cost import GPU
@@ -240,6 +242,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     stages = _stage_plan(cfg, tp)
     parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     train = replace(cfg.train, precision=precision_for(cfg, device), eval_tasks=eval_tasks_for(cfg))  # 3
+    check_fp8(cfg, device, gpu)
     lock = _lock(run_dir, world.rank) if own_run_dir else None  # 4
     try:
         load_from = _checkpoint_to_load(cfg, run_dir) if own_run_dir else None

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from hybridpar.config import Config, merge_windows
 from hybridpar.data.dataset import build_training_data
-from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_tflops
+from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
 from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, pick_device, set_numerics, start_process_group,
                                             world_from_env)
 from hybridpar.errors import ConfigError
@@ -42,7 +42,8 @@ from hybridpar.inference.in_training import Evaluation
 from hybridpar.training.spikes import batch_number, check_skips, local_tensor, windows_of, windows_tensor
 from hybridpar.training.step_status import StepStatus
 from hybridpar.inference.tasks import load_tasks
-from hybridpar.parallel import autocast_for
+from hybridpar.parallel import autocast_for, start_notes
+from hybridpar.parallel.fp8 import fp8_scales
 from hybridpar.parallel.startup import build_parallel_model
 
 
@@ -101,8 +102,8 @@ class Trainer(StepStatus, Evaluation):
         if cfg.train.compile and self.rank == 0:
             torch._logging.set_logs(recompiles=True)  # a recompilation says which guard failed, when it happens
         self.log: MetricsLogger | None = None  # opened by fit() (or the launcher): a Trainer writes nothing itself
-        if device.type == "cuda":
-            self._gpu_notes(cfg)
+        for note in start_notes(cfg, device):
+            self.say(note)
         t0 = time.perf_counter()
         self.data = build_training_data(run, self.dp_rank, self.dp_size)
         self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (indexes, sample order)")
@@ -114,6 +115,7 @@ class Trainer(StepStatus, Evaluation):
         self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
         ns_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
         self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
+        self.fp8_scales = fp8_scales(self.model, cfg)  # float8 all-gathers: the weights' scales, before each forward
         fsdp = isinstance(self.model, FSDPModule)
         self.autocast = autocast_for(self.model, cfg.train.precision, device)
         self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum
@@ -122,8 +124,8 @@ class Trainer(StepStatus, Evaluation):
             self.loss_context, self.forward_loss = loss_parallel, logits_loss
         else:
             self.loss_context = nullcontext
-            self.forward_loss = (partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if t.loss_chunk_tokens
-                                 else logits_loss)
+            fused = t.loss_chunk_tokens and not (t.fp8 != "off" and t.fp8_linears == "all")  # (fp8 head: a module)
+            self.forward_loss = partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if fused else logits_loss
         self.step = 0  # optimizer steps done
         self.consumed_samples = 0  # samples of all ranks trained so far (step x global batch)
         self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
@@ -149,7 +151,9 @@ class Trainer(StepStatus, Evaluation):
         self.data_wait_seconds = 0.0  # time train steps waited on data since the last log row (read-ahead hides most)
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
         self.flops_per_token = flops_per_token_of(cfg.model, cfg.train.seq_len)
-        self.peak_tflops = peak_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.peak_tflops = peak_tflops(name)
+        self.peak_fp8_tflops = peak_fp8_tflops(name) if cfg.train.fp8 != "off" else None
 
     def open_log(self, enabled: bool, config_dict: dict | None = None) -> None:
         """Open the metrics logger into the run dir (fit() opens one, enabled on rank 0, when none is open)."""
@@ -189,19 +193,6 @@ class Trainer(StepStatus, Evaluation):
             error.on_every_rank = True  # (every rank checks the same numbers: said once)
             raise error
 
-    def _gpu_notes(self, cfg: Config) -> None:
-        """What a GPU run should know at start, once."""
-        m = cfg.model
-        if cfg.train.precision == "fp32":
-            self.say("note: fp32 matmuls are strict fp32 (TF32 off)" if not cfg.train.tf32 else
-                     "note: fp32 matmuls use TF32 tensor cores (train.tf32)")
-            if not cfg.train.tf32:
-                self.say("      --train.tf32 true runs them on TF32 tensor cores, several times faster")
-            if m.kv_heads < m.n_heads:
-                self.say(f"note: fp32 grouped-query attention ({m.n_heads} query / {m.kv_heads} key-value heads) "
-                         f"runs CUDA's math attention kernel, which keeps B x heads x T^2 scores for backward (the "
-                         f"planner counts them); bf16 uses the fused kernels")
-
     def say(self, message: str) -> None:
         """A console line from rank 0, through the metrics logger once fit() (or the launcher) has opened it."""
         if self.log is not None:
@@ -228,6 +219,8 @@ class Trainer(StepStatus, Evaluation):
         # Random numbers (dropout) come from (seed, step): a resumed run draws exactly what the uninterrupted one did.
         torch.manual_seed(self.cfg.train.seed * 1_000_003 + step)
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        if self.fp8_scales is not None:
+            self.fp8_scales()
         if step < self.lr_scale_until:  # the steps after a rewind (spike.lr_scale, spike.lr_steps)
             lr *= self.cfg.spike.lr_scale
         for group in self.optimizer.param_groups:
@@ -391,6 +384,8 @@ class Trainer(StepStatus, Evaluation):
                "skipped_steps": self.skipped_steps, "batch_crc32": self.batch_crc32, **staged}
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
+        if self.peak_fp8_tflops:
+            row["mfu_fp8"] = tflops / self.peak_fp8_tflops
         if self.device.type == "cuda":
             gib = 2 ** 30
             row.update(mem_allocated_gib=torch.cuda.memory_allocated(self.device) / gib,

@@ -8,12 +8,10 @@ once by hybridpar.resolve, into a new Config. Loading from YAML and the command 
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal, Optional, Union
 
+from hybridpar.config.data import DataConfig, merge_windows  # noqa: F401  (merge_windows: re-exported)
 from hybridpar.models import get_model_config
 from hybridpar.models.config import ModelConfig, doc
 
@@ -110,6 +108,14 @@ class TrainConfig:
     eval_tasks_interval: int = doc(100, "score train.eval_tasks every this many steps, and at the first and last "
                                         "step; 0 = at the first and last step only")
     eval_tasks_batch_size: int = doc(16, "sequences per forward when scoring tasks (the same batches on every layout)")
+    fp8: Literal["off", "tensorwise", "rowwise"] = doc(
+        "off", "float8 matmuls in train.fp8_linears (torchao: pip install -e \".[fp8]\"): tensorwise (a scale per "
+        "tensor: fastest, float8 all-gathers), rowwise (a scale per row: closer to bf16); emulated on CPU; a GPU needs "
+        "compute capability >= 8.9 (docs/training.md#fp8)")
+    fp8_linears: Literal["hidden", "all"] = doc("hidden", "what train.fp8 converts: hidden (every block's attention and "
+                                                          "MLP projections) or all (also the LM head)")
+    fp8_all_gather: bool = doc(True, "train.fp8=tensorwise under FSDP: all-gather the converted weights in float8 "
+                                     "(half of bf16's bytes), their scales in one all-reduce per step")
     sample_tokens: int = doc(120, "tokens to sample at the end of the run; 0 = no sample")
     sample_prompt: str = doc("The ", "prompt of the end-of-run sample")
     sample_temperature: float = doc(0.8, "sampling temperature; 0 = greedy")
@@ -117,6 +123,10 @@ class TrainConfig:
     def __post_init__(self):
         if self.spike not in ("off", "warn", "rewind"):
             raise ValueError(f"train.spike={self.spike!r}: use off, warn or rewind")
+        if self.fp8 not in ("off", "tensorwise", "rowwise"):
+            raise ValueError(f"train.fp8={self.fp8!r}: use off, tensorwise or rowwise")
+        if self.fp8_linears not in ("hidden", "all"):
+            raise ValueError(f"train.fp8_linears={self.fp8_linears!r}: use hidden or all")
         if self.activation_checkpointing not in ("none", "full", "selective"):
             raise ValueError(f"train.activation_checkpointing={self.activation_checkpointing!r}: use none, full "
                              f"or selective")
@@ -184,77 +194,6 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    path: str = doc("builtin", "'builtin' (Python's own documentation), a Megatron .bin/.idx prefix, or a weighted "
-                               "blend 'W1 PREFIX1 W2 PREFIX2 ...' (see docs/data.md)")
-    tokenizer: str = doc("train-bpe:4096", "the data's tokenizer: bytes, bpe:PATH (tokenizer.json), gpt2:DIR, "
-                                           "sentencepiece:MODEL, or train-bpe:N (an N-token BPE trained on the builtin corpus)")
-    split: str = doc("95,5,0", "train,valid,test weights, by document (each prefix of a blend is split alike)")
-    cache_dir: str = doc("~/.cache/hybridpar", "built corpus, tokenizers and dataset index caches; shared by all "
-                                               "nodes of a multi-node run")
-    skip_batches: list[str] = doc([], "global batches never to train, as ranges A-B of batch numbers (batch N is the "
-                                      "one step N trains when nothing is skipped; comma-separated on the command "
-                                      "line), added to those a checkpoint's rewinds skipped")
-    stages: list[str] = doc([], "a mixture that changes during the run: entries 'START[ ramp R][ seq L]: BLEND' "
-                                "(START, R in global batches, or samples with an 's' suffix; L tokens per sequence; "
-                                "BLEND as data.path), the first at 0; replaces data.path (docs/data.md#stages)")
-    source_exhausted: str = doc("wrap", "a stage source read past one pass over its train split: wrap (its next "
-                                        "pass, reshuffled) or stop (refused at start, naming the source)")
-
-    def __post_init__(self):
-        parts = self.split.split(",")
-        try:
-            weights = [float(p) for p in parts]
-        except ValueError:
-            weights = []
-        if not self.path.strip():
-            raise ValueError("data.path='' names no data; give 'builtin', a .bin/.idx prefix or a blend")
-        if len(weights) != 3 or not all(map(math.isfinite, weights)) or min(weights) < 0 or weights[0] <= 0 \
-                or weights[1] <= 0:
-            raise ValueError(f"data.split={self.split!r}: give three weights train,valid,test with train and valid > 0, e.g. 98,1,1")
-        self.skip_windows  # parsed (and checked) once here
-        if self.source_exhausted not in ("wrap", "stop"):
-            raise ValueError(f"data.source_exhausted={self.source_exhausted!r}: give wrap or stop")
-        if self.stages and self.path != "builtin":
-            raise ValueError(f"data.path={self.path!r} and data.stages both name the training data; put every source "
-                             f"in data.stages (e.g. '0: 1 {self.path.split()[-1]}') and drop data.path")
-
-    @property
-    def skip_windows(self) -> list[tuple[int, int]]:
-        """data.skip_batches as sorted, merged (first, last) batch numbers, 1-based and inclusive."""
-        windows = []
-        for text in self.skip_batches:
-            a, sep, b = str(text).partition("-")
-            if not (a.strip().isdigit() and (not sep or b.strip().isdigit())):
-                raise ValueError(f"data.skip_batches={text!r}: give ranges of batch numbers A-B (or N), e.g. 101-120")
-            first, last = int(a), int(b) if sep else int(a)
-            if not 1 <= first <= last:
-                raise ValueError(f"data.skip_batches={text!r}: a range A-B needs 1 <= A <= B")
-            windows.append((first, last))
-        return merge_windows(windows)
-
-    @property
-    def cache_path(self) -> Path:
-        return Path(os.path.expanduser(self.cache_dir))
-
-    @property
-    def split_fractions(self) -> tuple[float, float, float]:
-        w = [float(p) for p in self.split.split(",")]
-        return w[0] / sum(w), w[1] / sum(w), w[2] / sum(w)
-
-
-def merge_windows(windows) -> list[tuple[int, int]]:
-    """Inclusive (first, last) ranges, sorted and with overlapping or touching ones joined."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(windows):
-        if out and a <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 
 
 @dataclass(frozen=True)
@@ -386,6 +325,9 @@ class Config:
         if t.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={self.model.max_seq_len} of "
                              f"{self.model.name}; lower train.seq_len or raise model.max_seq_len")
+        if t.fp8 != "off" and t.fp8_linears == "all" and self.model.tie_embeddings:
+            raise ValueError("train.fp8_linears=all converts the LM head, whose weight is the embedding's "
+                             "(model.tie_embeddings); use --train.fp8_linears hidden or --model.tie_embeddings false")
         if t.micro_batch_size is not None and t.global_batch_size % t.micro_batch_size:
             raise ValueError(f"train.global_batch_size={t.global_batch_size} is not divisible by "
                              f"train.micro_batch_size={t.micro_batch_size}")

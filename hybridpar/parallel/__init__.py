@@ -1,6 +1,10 @@
 """Parallelism applied from outside the model, one function per model family.
 
-The order is fixed: tensor/sequence parallelism -> activation checkpointing -> torch.compile -> FSDP.
+The order is fixed: fp8 conversion -> tensor/sequence parallelism -> activation checkpointing -> torch.compile ->
+FSDP.
+- fp8 first (train.fp8, hybridpar/parallel/fp8.py): it swaps nn.Linear for torchao's Float8Linear, which the TP
+  styles then shard and FSDP wraps (tensorwise: its weights are torchao's float8 all-gather tensors, which
+  fully_shard must see when it shards them).
 - TP first: it swaps parameters for DTensors sharded on the tp axis and installs the collectives; everything after
   it must see the final (local) shapes.
 - Activation checkpointing wraps the TP-ed block, so recomputation replays the TP collectives too.
@@ -22,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
+from hybridpar.parallel.fp8 import convert_fp8
 from hybridpar.parallel.fsdp import apply_fsdp, check_strategy
 from hybridpar.parallel.tensor_parallel import apply_tp
 
@@ -117,6 +122,8 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
     """Apply hybridpar's parallelism and memory/speed wrappers to a GPT on the meta device, in place (each rank then
     materialises only its shards: hybridpar.parallel.startup)."""
     tp, dp = mesh["tp"].size(), mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+    if cfg.train.fp8 != "off":
+        convert_fp8(model, cfg, emulate=mesh.device_type != "cuda", fsdp=uses_fsdp(cfg, dp))
     if tp > 1:
         # Blocks keep sequence shards through saved-tensor hooks, which checkpointing (its own hooks) and compile
         # would not see through: only without either.
@@ -130,3 +137,23 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
     if uses_fsdp(cfg, dp):
         apply_fsdp(model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16")
     return model
+
+
+def start_notes(cfg: Config, device: torch.device) -> list[str]:
+    """What a run should know at start about its numerics on this device, once (the trainer prints them)."""
+    m, t, notes = cfg.model, cfg.train, []
+    if t.fp8 != "off":
+        notes.append(f"note: fp8 ({t.fp8}) on {t.fp8_linears} linears" + (
+            "" if device.type == "cuda" else f", emulated on {device.type} (float8 casts and scales, high-precision "
+                                             f"GEMMs: the GPU's code path, not its speed)"))
+    if device.type != "cuda" or t.precision != "fp32":
+        return notes
+    notes.append("note: fp32 matmuls are strict fp32 (TF32 off)" if not t.tf32 else
+                 "note: fp32 matmuls use TF32 tensor cores (train.tf32)")
+    if not t.tf32:
+        notes.append("      --train.tf32 true runs them on TF32 tensor cores, several times faster")
+    if m.kv_heads < m.n_heads:
+        notes.append(f"note: fp32 grouped-query attention ({m.n_heads} query / {m.kv_heads} key-value heads) runs "
+                     f"CUDA's math attention kernel, which keeps B x heads x T^2 scores for backward (the planner "
+                     f"counts them); bf16 uses the fused kernels")
+    return notes

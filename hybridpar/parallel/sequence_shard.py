@@ -17,12 +17,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _same = (lambda t: t, lambda t: t)
 
 
-def _storage(t: torch.Tensor) -> int:
+def _storage(t: torch.Tensor) -> int | None:
+    """The data pointer of t's (local) storage; None for a tensor-wrapper subclass (torchao's float8 tensors, which
+    a fp8 linear saves instead of its input), which has none of its own."""
     local = t._local_tensor if isinstance(t, DTensor) else t  # the attribute, not to_local(): no autograd op here
+    if is_traceable_wrapper_subclass(local):
+        return None
     return local.untyped_storage().data_ptr()
 
 

@@ -28,12 +28,14 @@ GIB = 2 ** 30
 
 @dataclass(frozen=True)
 class GPU:
-    """One GPU type: memory, dense bf16 peak, HBM bandwidth, per-GPU link bandwidths (one direction, GB/s)."""
+    """One GPU type: memory, dense bf16 peak, HBM bandwidth, per-GPU link bandwidths (one direction, GB/s), dense
+    float8 peak (0: no float8 tensor cores)."""
     memory_gib: float
     peak_tflops: float
     hbm_gbps: float
     nvlink_gbps: float
     internode_gbps: float
+    peak_fp8_tflops: float = 0.0
 
     @property
     def usable_bytes(self) -> int:
@@ -45,9 +47,12 @@ class GPU:
 # for H100/H200/B200 and one 200 Gb/s HDR NIC per GPU for A100). Memory in GiB as torch reports it.
 GPUS: dict[str, GPU] = {
     "a100": GPU(memory_gib=79.2, peak_tflops=312.0, hbm_gbps=2039.0, nvlink_gbps=300.0, internode_gbps=25.0),
-    "h100": GPU(memory_gib=79.1, peak_tflops=989.4, hbm_gbps=3350.0, nvlink_gbps=450.0, internode_gbps=50.0),
-    "h200": GPU(memory_gib=139.8, peak_tflops=989.4, hbm_gbps=4800.0, nvlink_gbps=450.0, internode_gbps=50.0),
-    "b200": GPU(memory_gib=178.4, peak_tflops=2250.0, hbm_gbps=8000.0, nvlink_gbps=900.0, internode_gbps=50.0),
+    "h100": GPU(memory_gib=79.1, peak_tflops=989.4, hbm_gbps=3350.0, nvlink_gbps=450.0, internode_gbps=50.0,
+                peak_fp8_tflops=1978.9),
+    "h200": GPU(memory_gib=139.8, peak_tflops=989.4, hbm_gbps=4800.0, nvlink_gbps=450.0, internode_gbps=50.0,
+                peak_fp8_tflops=1978.9),
+    "b200": GPU(memory_gib=178.4, peak_tflops=2250.0, hbm_gbps=8000.0, nvlink_gbps=900.0, internode_gbps=50.0,
+                peak_fp8_tflops=4500.0),
 }
 
 # Efficiency assumptions of the step-time estimate.
@@ -290,6 +295,21 @@ def gemm_efficiency(tokens: int) -> float:
     return MATMUL_EFFICIENCY * curve(tokens) / curve(MATMUL_EFFICIENCY_TOKENS)
 
 
+def all_gather_bytes(cfg: Config, layout: Layout) -> int:
+    """Bytes of one FSDP all-gather of the whole model by a TP rank (its tp shard of every parameter): the compute
+    dtype's, or 1 byte for the weights train.fp8=tensorwise all-gathers in float8 (train.fp8_all_gather)."""
+    m, t = cfg.model, cfg.train
+    params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
+    a = _compute_bytes(t.precision)
+    if t.fp8 != "tensorwise" or not t.fp8_all_gather:
+        return params_tp * a
+    tp_only = Layout(1, 1, layout.tp)
+    fp8 = sum(held for _, held in _hidden(m, tp_only, 0))
+    if t.fp8_linears == "all":
+        fp8 += sum(numel(local_shape(s, tp_only, 0)) for s in param_specs(m) if s.name == "lm_head.weight")
+    return fp8 + (params_tp - fp8) * a
+
+
 def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict:
     """Estimated seconds of one optimizer step, by part.
 
@@ -304,6 +324,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
       with full_shard) and reduce-scatters; with HSDP one fp32 all-reduce of the gradient shards across replicas;
       over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with compute except
       the first block's all-gather and the last one's reduce-scatter.
+    fp8 (train.fp8): the converted linears' FLOPs (the blocks', and the LM head's with fp8_linears=all) at the
+      float8 peak, the rest at bf16's; tensorwise with fp8_all_gather all-gathers those weights in 1 byte.
     optimizer: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM, Muon's
       matrices 20; Muon's Newton-Schulz FLOPs of rank 0's share (it owns the most matrices) at MATMUL_EFFICIENCY
       of the bf16 peak, and its two all-to-alls over NVLink when the shard group fits in a node; not overlapped.
@@ -318,7 +340,10 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     ckpt = len(range(0, m.n_layers, t.ac_every)) if t.activation_checkpointing == "full" else 0
     layer_share = 1 - parts["head"] / fpt  # FLOPs in the blocks, not the LM head
     recompute = 1 + layer_share * ckpt / m.n_layers / 3
-    compute = fpt * tokens_rank / layout.tp * recompute / (gpu.peak_tflops * 1e12 * gemm_efficiency(micro * t.seq_len))
+    fp8 = t.fp8 != "off" and gpu.peak_fp8_tflops > 0
+    fp8_share = (parts["blocks"] + (parts["head"] if t.fp8_linears == "all" else 0)) / fpt if fp8 else 0.0
+    per_flop = (1 - fp8_share) / gpu.peak_tflops + fp8_share / (gpu.peak_fp8_tflops if fp8 else 1.0)
+    compute = fpt * tokens_rank / layout.tp * recompute * per_flop / (1e12 * gemm_efficiency(micro * t.seq_len))
     a = _compute_bytes(t.precision)
     act = micro * t.seq_len * m.d_model * a
     # under SP, inputs kept as sequence shards are all-gathered again in backward (attention and MLP of blocks not
@@ -331,6 +356,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     per_micro = (4 * m.n_layers + 2 * ckpt + 2 + regather) * _ring(act, layout.tp, gpu.nvlink_gbps, all_reduce=True)
     tp_comm = n_micro * per_micro
     fsdp = hsdp = exposed = 0.0
+    gathered = all_gather_bytes(cfg, layout)
     if layout.dp > 1:
         params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
         shard_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
@@ -339,11 +365,11 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
             gathers, scatters = 1 + (n_micro if reshard is True else 0), 1
         else:
             gathers, scatters = n_micro * (2 if reshard is True else 1), n_micro
-        fsdp = (gathers * _ring(params_tp * a, layout.dp_shard, shard_bw)
+        fsdp = (gathers * _ring(gathered, layout.dp_shard, shard_bw)
                 + scatters * _ring(params_tp * 4, layout.dp_shard, shard_bw))
         if not isinstance(reshard, bool):  # backward's all-gathers within groups of N ranks
             group_bw = gpu.nvlink_gbps if reshard * layout.tp <= gpus_per_node else gpu.internode_gbps
-            fsdp += n_micro * _ring(params_tp * a, reshard, group_bw)
+            fsdp += n_micro * _ring(gathered, reshard, group_bw)
             gathers += n_micro
         rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
         hsdp = _ring(params_tp * 4 / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
@@ -363,4 +389,6 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
             "fsdp_exposed_s": exposed, "optimizer_s": optimizer, "muon_ns_s": muon_ns, "muon_comm_s": muon_comm,
             "per_microbatch_overhead_s": overhead,
             "tokens_per_sec": t.global_batch_size * t.seq_len / total,
-            "mfu": fpt * t.global_batch_size * t.seq_len / total / layout.world / (gpu.peak_tflops * 1e12)}
+            "mfu": fpt * t.global_batch_size * t.seq_len / total / layout.world / (gpu.peak_tflops * 1e12),
+            "mfu_fp8": (fpt * t.global_batch_size * t.seq_len / total / layout.world / (gpu.peak_fp8_tflops * 1e12)
+                        if fp8 else None), "all_gather_bytes": gathered}

@@ -57,6 +57,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return sum(flops_parts(cfg, seq_len).values())
 
 
+# Dense float8 peaks (NVIDIA H100/H200/B200 and L40S datasheets; twice the bf16 figure on each); GPUs without float8
+# tensor cores (A100, A800, MI300X here) are absent: their fp8 MFU is never reported.
+PEAK_FP8_TFLOPS: list[tuple[tuple[str, ...], float]] = [
+    (("GB200",), 5000.0), (("B200",), 4500.0), (("GH200",), 1978.9), (("H200",), 1978.9), (("H100", "PCIe"), 1513.0),
+    (("H100", "NVL"), 1670.0), (("H100",), 1978.9), (("H800",), 1978.9), (("L40S",), 733.0)]
+
+
+def peak_fp8_tflops(device_name: str | None) -> float | None:
+    """The dense float8 peak of a device name, or None (no float8 tensor cores, or unknown)."""
+    for keys, peak in PEAK_FP8_TFLOPS if device_name else []:
+        if all(k in device_name for k in keys):
+            return peak
+    return None
+
+
 def peak_tflops(device_name: str | None) -> float | None:
     """The dense bf16 peak of a device name, or None when unknown (CPUs, unlisted GPUs)."""
     if not device_name:
