@@ -54,6 +54,18 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hybridpar-cache")
 
 
+@pytest.fixture
+def one_process_group(tmp_path_factory):
+    """A real world-size-1 gloo group for this test, as hybridpar's launcher makes even for one process (megatron-core
+    asks torch.distributed for the rank; a mesh needs a group)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 600,
             env: dict | None = None) -> subprocess.CompletedProcess:
     """Run a launch/ script as a user would, in a fresh interpreter (env: the environment, default this one's)."""

@@ -25,17 +25,6 @@ from hybridpar.parallel.fp8 import check_fp8, fp8_linear_names
 from hybridpar.planning.flops import peak_fp8_tflops, peak_tflops
 
 
-@pytest.fixture
-def one_rank_group(tmp_path_factory):
-    """A real world-size-1 gloo group, as the launcher makes for one process (the mesh needs it)."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _parallel_model(args):
     from hybridpar.parallel.distributed import init_mesh
     from hybridpar.parallel.startup import build_parallel_model
@@ -45,7 +34,7 @@ def _parallel_model(args):
 
 
 @pytest.mark.parametrize("which, head", [("hidden", False), ("all", True)])
-def test_the_hidden_linears_are_converted_first_then_checkpointed_and_sharded(one_rank_group, which, head):
+def test_the_hidden_linears_are_converted_first_then_checkpointed_and_sharded(one_process_group, which, head):
     """Conversion is step 0 of parallelize_gpt: each block's projections are Float8Linear inside the activation-
     checkpoint wrapper, inside FSDP, and (tensorwise under FSDP) their weights are FSDP's DTensors over torchao's
     float8 all-gather tensor, which exists only when conversion ran before fully_shard."""

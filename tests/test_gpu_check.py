@@ -38,6 +38,12 @@ def test_gpu_check_runs_every_step_in_smoke_mode(tmp_path, cache_dir):
     params = bench["accum_true"]["planned_bytes"] - bench["accum_false"]["planned_bytes"]
     assert params > 0 and params % 6 == 0
     assert (out / "summary.txt").read_text().count(": ok ") == 5
+    # fp8 (emulated here): both recipes ran the benchmark, and the gate ran its three runs from one seed checkpoint
+    for recipe in ("tensorwise", "rowwise"):
+        assert json.loads((out / f"fp8_{recipe}.json").read_text())["tokens_per_sec"] > 0
+    gate = json.loads((out / "fp8_gate.json").read_text())
+    assert gate["steps"] == 3 and sorted(gate["final"]) == ["baseline", "rowwise", "tensorwise"]
+    assert "fp8_gate (3 steps): passed" in (out / "summary.txt").read_text()
 
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes

@@ -143,17 +143,6 @@ def test_bad_stages_are_one_line_errors(entries, message):
     assert "\n" not in str(e.value)
 
 
-@pytest.fixture
-def one_process_group(tmp_path_factory):
-    """megatron-core asks torch.distributed for the rank, as hybridpar's launcher provides even for one process."""
-    import torch.distributed as dist
-
-    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _source_files(directory, n_docs=(300, 300), seed=0):
     """Sources of the bytes tokenizer's ids, each in its own id range (web 1-127, code 128-255), docs ending in EOD."""
     rng = np.random.default_rng(seed)
