@@ -18,7 +18,10 @@ class Evaluation:
 
     def _eager(self):
         """Validation and sampling run the compiled blocks eagerly: under no_grad, and with the sample's growing
-        lengths, each would compile them again (three compilations of every block instead of one)."""
+        lengths, each would compile them again (three compilations of every block instead of one). With float8
+        all-gathers the weights' scales are computed first: the last optimizer step changed the weights."""
+        if self.fp8_scales is not None:
+            self.fp8_scales()
         return torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext()
 
     @torch.no_grad()
