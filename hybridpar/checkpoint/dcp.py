@@ -46,7 +46,8 @@ from hybridpar.checkpoint.layout import (MARKER, STEP_DIR, checkpoint_dir, is_co
                                          list_checkpoints, step_of)
 from hybridpar.checkpoint.resume_checks import check_model_config, data_changes, data_key, stage_origin
 from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader,
-                                            exceptions_in, read_metadata, unwrap_checkpoint_exception)
+                                            exceptions_in, plain_tensors, read_metadata,
+                                            unwrap_checkpoint_exception)
 
 def _local_bytes(state) -> int:
     """Bytes of the tensors this rank writes for `state` (its own shards)."""
@@ -78,38 +79,13 @@ def _safe_load(state: dict, path: Path, planner, metadata=None, no_dist: bool = 
         raise (inner if str(path) in str(inner) else CheckpointError(f"checkpoint {path}: {inner}")) from None
 
 
-def plain(state):
-    """`state` with every tensor-wrapper subclass (torchao's float8 all-gather weight, and the optimizer states
-    made like it) replaced by the plain tensor it wraps, inside DTensors too, sharing storage: what is saved is
-    ordinary tensors (whose reads the safe loader allows), and what is loaded lands in the wrapped storage."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    def unwrap(t):
-        if isinstance(t, DTensor):
-            local = t.to_local()
-            if is_traceable_wrapper_subclass(local):
-                return DTensor.from_local(unwrap(local), t.device_mesh, t.placements, run_check=False,
-                                          shape=t.shape, stride=t.stride())
-            return t
-        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
-            return getattr(t, t.__tensor_flatten__()[0][0])
-        return t
-
-    if isinstance(state, dict):
-        return {k: plain(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [plain(v) for v in state]
-    return unwrap(state)
-
-
 def _state(model: nn.Module, optimizer, trainer_state: dict, options=None) -> dict:
     """What a checkpoint holds. Before the first optimizer step (a seed checkpoint) AdamW has no state: none is
     saved (asking for it would allocate two zero copies of every shard), and a load starts a fresh optimizer."""
     if not optimizer.state:
-        return {"model": plain(get_model_state_dict(model, options=options)), "trainer": trainer_state}
+        return {"model": plain_tensors(get_model_state_dict(model, options=options)), "trainer": trainer_state}
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    return {"model": plain(model_sd), "optim": plain(optim_sd), "trainer": trainer_state}
+    return {"model": plain_tensors(model_sd), "optim": plain_tensors(optim_sd), "trainer": trainer_state}
 
 
 class Checkpointer:
@@ -256,14 +232,14 @@ class Checkpointer:
                 raise CheckpointError(f"{path} holds {was} optimizer state and this run has optim.name="
                                       f"{trainer.cfg.optim.name}; resume with --optim.name {was}, or start from its "
                                       f"weights with --checkpoint.load_weights_only true")
-            model_sd, optim_sd = map(plain, get_state_dict(trainer.model, trainer.optimizer))
+            model_sd, optim_sd = map(plain_tensors, get_state_dict(trainer.model, trainer.optimizer))
             # Only the optimizer's tensors are read: its hyperparameters are this run's choice (its config, the
             # device), and reading the saved ones (a pickled value per parameter and setting) was most of a small
             # model's resume time.
             groups = optim_sd["param_groups"]
             state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         else:
-            state = {"model": plain(get_model_state_dict(trainer.model))}
+            state = {"model": plain_tensors(get_model_state_dict(trainer.model))}
         if not weights_only:
             # skip_streak, data_key and the spike fields are absent from older checkpoints
             state["trainer"] = {k: _placeholder(saved[f"trainer.{k}"]) for k in [*trainer.state_dict(), "data_key"]

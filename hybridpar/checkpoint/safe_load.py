@@ -281,3 +281,28 @@ def unwrap_checkpoint_exception(e: BaseException) -> BaseException:
     """DCP wraps each rank's exception in a CheckpointException (a multi-line traceback): the first of our own
     CheckpointErrors inside it, else `e` itself."""
     return next((x for x in exceptions_in(e) if isinstance(x, CheckpointError)), e)
+
+
+def plain_tensors(state):
+    """`state` with every tensor-wrapper subclass (torchao's float8 all-gather weight, and the optimizer states
+    made like it) replaced by the plain tensor it wraps, inside DTensors too, sharing storage: what is saved is
+    ordinary tensors (whose reads the safe loader allows), and what is loaded lands in the wrapped storage."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def unwrap(t):
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            if is_traceable_wrapper_subclass(local):
+                return DTensor.from_local(unwrap(local), t.device_mesh, t.placements, run_check=False,
+                                          shape=t.shape, stride=t.stride())
+            return t
+        if isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            return getattr(t, t.__tensor_flatten__()[0][0])
+        return t
+
+    if isinstance(state, dict):
+        return {k: plain_tensors(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [plain_tensors(v) for v in state]
+    return unwrap(state)
