@@ -97,6 +97,24 @@ def test_bad_fp8_settings_are_one_line(monkeypatch):
         check_fp8(load_config(["--train.fp8", "tensorwise"]), torch.device("cpu"))
 
 
+def test_start_notes_say_what_the_numerics_are_on_each_device():
+    """The start-up notes (hybridpar.parallel.start_notes) of the GPU branch, asked for a CUDA device on this CPU."""
+    from hybridpar.parallel import start_notes
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    fp32_gqa = load_config(["--train.precision", "fp32", "--model.n_kv_heads", "2"])
+    notes = start_notes(fp32_gqa, cuda)
+    assert notes[0] == "note: fp32 matmuls are strict fp32 (TF32 off)" and "--train.tf32 true" in notes[1]
+    assert "grouped-query attention (4 query / 2 key-value heads)" in notes[2] and len(notes) == 3
+    assert start_notes(load_config(["--train.precision", "fp32", "--train.tf32", "true"]), cuda) == [
+        "note: fp32 matmuls use TF32 tensor cores (train.tf32)"]
+    assert start_notes(load_config(["--train.precision", "bf16"]), cuda) == []
+    assert start_notes(fp32_gqa, cpu) == []
+    fp8 = load_config(["--train.precision", "bf16", "--train.fp8", "rowwise"])
+    assert start_notes(fp8, cuda) == ["note: fp8 (rowwise) on hidden linears"]
+    assert start_notes(fp8, cpu)[0].startswith("note: fp8 (rowwise) on hidden linears, emulated on cpu")
+
+
 def test_fp8_peaks_by_hand():
     """Dense datasheet peaks (NVIDIA H100/H200 datasheets: 989.4 bf16, 1,978.9 fp8 TFLOP/s SXM; A100: no fp8)."""
     assert peak_fp8_tflops("NVIDIA H100 80GB HBM3") == 1978.9 and peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
