@@ -143,7 +143,7 @@ def test_the_planner_counts_float8_all_gathers_and_both_peaks():
     assert est8["compute_s"] == pytest.approx(est["compute_s"] * ((1 - share) + share * 989.4 / 1978.9), rel=1e-12)
     assert est8["mfu_fp8"] == pytest.approx(est8["mfu"] * 989.4 / 1978.9, rel=1e-12) and est["mfu_fp8"] is None
     assert est8["all_gather_bytes"] == all_gather_bytes(fp8, layout)
-    with pytest.raises(ConfigError, match="^train.fp8=tensorwise needs float8 tensor cores, which the GPU planned"):
+    with pytest.raises(ConfigError, match="^train.fp8=tensorwise needs float8 tensor cores, and the planned GPU has none"):
         check_fp8(fp8, torch.device("meta"), GPUS["a100"])
 
 

@@ -68,8 +68,8 @@ def check_fp8(cfg: Config, device: torch.device, gpu=None) -> None:
         return
     if gpu is not None:
         if not gpu.peak_fp8_tflops:
-            raise ConfigError(f"train.fp8={cfg.train.fp8} needs float8 tensor cores, which the GPU planned for has "
-                              f"none of; plan an H100, H200 or B200, or use --train.fp8 off")
+            raise ConfigError(f"train.fp8={cfg.train.fp8} needs float8 tensor cores, and the planned GPU has none; "
+                              f"plan an H100, H200 or B200, or use --train.fp8 off")
         return
     if device.type == "meta":
         return
