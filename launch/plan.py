@@ -107,7 +107,8 @@ def print_report(out: dict) -> None:
     print(f"step time (estimate) {out['step_time_s']:.3f} s = compute {out['compute_s']:.3f} + TP "
           f"{out['tp_comm_s']:.3f} + exposed FSDP {out['fsdp_exposed_s']:.3f} (of {out['fsdp_comm_s']:.3f}) + "
           f"optimizer {out['optimizer_s'] + out['muon_ns_s'] + out['muon_comm_s']:.3f} + per-microbatch overhead "
-          f"{out['per_microbatch_overhead_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}")
+          f"{out['per_microbatch_overhead_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}"
+          + (f" of the bf16 peak, {out['mfu_fp8']:.0%} of the fp8 peak" if out.get("mfu_fp8") else ""))
     if out["optimizer"] == "muon":
         print(f"muon (rank {out['rank']}): Newton-Schulz {out['muon_ns_flops'] / 1e12:.2f} TFLOP "
               f"({out['muon_ns_s']:.3f} s), all-to-all {g(out['muon_comm_bytes'])} sent ({out['muon_comm_s']:.3f} s)")

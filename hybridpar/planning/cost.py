@@ -325,7 +325,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
       over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with compute except
       the first block's all-gather and the last one's reduce-scatter.
     fp8 (train.fp8): the converted linears' FLOPs (the blocks', and the LM head's with fp8_linears=all) at the
-      float8 peak, the rest at bf16's; tensorwise with fp8_all_gather all-gathers those weights in 1 byte.
+      float8 peak, the rest at bf16's, both at gemm_efficiency (the casts and scales are not counted: an upper bound
+      until measured on a GPU); tensorwise with fp8_all_gather all-gathers those weights in 1 byte.
     optimizer: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM, Muon's
       matrices 20; Muon's Newton-Schulz FLOPs of rank 0's share (it owns the most matrices) at MATMUL_EFFICIENCY
       of the bf16 peak, and its two all-to-alls over NVLink when the shard group fits in a node; not overlapped.
