@@ -32,8 +32,10 @@ def read_checkpoint_config(path: Path) -> dict | None:
 
 # What the consumed-samples position means: change any of these and the same position indexes other samples.
 DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data", "split"), ("data", "tokenizer"),
-               ("data", "stages"), ("data", "source_exhausted"))
-STAGE_FIELDS = DATA_FIELDS[-2:]  # in the data key only when data.stages is set: older checkpoints keep their key
+               ("data", "stages"))
+STAGE_FIELDS = DATA_FIELDS[-1:]  # in the data key only when data.stages is set: older checkpoints keep their key
+# (data.source_exhausted is not among them: wrap and stop draw the same samples; stop only refuses a run that
+# would read a source past its first pass)
 
 
 def data_key(cfg) -> int:
