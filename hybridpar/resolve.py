@@ -10,7 +10,7 @@ The order (docs/training.md walks it):
  3. precision: bf16 on GPUs that support it, fp32 on the CPU; train.fp8 on this device (torchao importable, float8
     tensor cores on a GPU); the downstream tasks (train.eval_tasks' default)
  4. the run dir's lock (a run owns its dir from here), the checkpoint to load and the W&B id it recorded
- 5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple x tp)
+ 5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple, whatever the layout)
  6. the layout's divisibility rules, with the final vocabulary; the micro-batch size
  7. the device's usable memory (the minimum over ranks), the accumulation mode, the memory refusal (with
     data.stages, for the longest stage's sequences)
@@ -136,20 +136,18 @@ def _checkpoint_to_load(cfg: Config, run_dir: Path) -> Path | None:
     return latest
 
 
-def vocab_size_for(cfg: Config, tokenizer, tp: int) -> int:
-    """With model.vocab_from_tokenizer, the tokenizer's vocabulary padded up to a multiple of vocab_multiple x tp
-    (Megatron-LM's rule); else model.vocab_size, checked to hold the tokenizer's and to divide by tp."""
+def vocab_size_for(cfg: Config, tokenizer) -> int:
+    """With model.vocab_from_tokenizer, the tokenizer's vocabulary padded up to a multiple of vocab_multiple; else
+    model.vocab_size, checked to hold the tokenizer's. The layout never enters: tp shards a vocabulary it does not
+    divide unevenly (DTensor's Shard(0), torch.chunk's split), so every layout trains the same model."""
     m, need = cfg.model, tokenizer.vocab_size
-    pad = m.vocab_multiple * tp
+    pad = m.vocab_multiple
     padded = pad * math.ceil(need / pad)
     if m.vocab_from_tokenizer:
         return padded
     if m.vocab_size < need:
         raise ConfigError(f"tokenizer {tokenizer.spec!r} has {need} tokens but model.vocab_size={m.vocab_size}; set "
                           f"--model.vocab_size {padded}, or leave it out to take the tokenizer's")
-    if m.vocab_size % tp:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} does not divide by parallel.tp={tp}; set "
-                          f"--model.vocab_size {tp * math.ceil(m.vocab_size / tp)}")
     return m.vocab_size
 
 
@@ -253,7 +251,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
             wandb = replace(wandb, id=run_state.get("wandb_id"))
         if tokenizer is None:  # 5
             tokenizer = load_data_tokenizer(cfg.data, stages)
-        model = replace(cfg.model, vocab_size=vocab_size_for(cfg, tokenizer, tp))
+        model = replace(cfg.model, vocab_size=vocab_size_for(cfg, tokenizer))
         cfg = replace(cfg, model=model, parallel=parallel, train=train,
                       logging=replace(cfg.logging, wandb=wandb))
         check_layout(cfg, (dp_replicate, dp_shard, tp), node)  # 6

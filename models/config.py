@@ -33,9 +33,9 @@ class ModelConfig:
     n_kv_heads: Optional[int] = doc(None, "key/value heads for grouped-query attention; None = n_heads")
     ffn_hidden_size: Optional[int] = doc(None, "MLP inner width; None = 4*d_model (gelu) or 8/3*d_model rounded up to 256 (swiglu)")
     vocab_size: int = doc(8192, "embedding rows; training takes the tokenizer's size padded (vocab_from_tokenizer) "
-                                "unless this is given; it must cover the tokenizer and divide by tp")
+                                "unless this is given; it must cover the tokenizer")
     vocab_from_tokenizer: bool = doc(True, "training sets vocab_size from the tokenizer, its size padded up to a "
-                                           "multiple of vocab_multiple x tp; giving --model.vocab_size turns this off")
+                                           "multiple of vocab_multiple (whatever the layout); giving --model.vocab_size turns this off")
     vocab_multiple: int = doc(128, "padding multiple of a vocabulary taken from the tokenizer (Megatron-LM's "
                                    "--make-vocab-size-divisible-by); 1 keeps it exact")
     max_seq_len: int = doc(256, "context length the model is built for (learned positions, RoPE tables)")

@@ -170,17 +170,16 @@ def test_an_end_of_document_text_inside_a_document_does_not_split_it(tmp_path):
 
 def test_vocab_padding_rule():
     tok = lambda n: type("T", (), {"vocab_size": n, "spec": "x"})()  # noqa: E731
-    # not given: the tokenizer's size padded up to vocab_multiple x tp (hand-computed: 50257 -> 393 x 128 = 50304)
-    for argv, n, tp, want in [([], 50257, 1, 50304), ([], 50257, 2, 50432), ([], 4096, 1, 4096),
-                              (["--model.vocab_multiple", "1"], 50257, 1, 50257),
-                              (["--model.vocab_multiple", "64"], 1000, 4, 1024)]:
-        assert vocab_size_for(load_config(argv), tok(n), tp=tp) == want, (argv, n, tp)
-    # given: used as given, refused when smaller than the tokenizer's or not divisible by tp
-    assert vocab_size_for(load_config(["--model.vocab_size", "5000"]), tok(4096), tp=1) == 5000
+    # not given: the tokenizer's size padded up to vocab_multiple, whatever the layout (hand-computed: 50257 -> 393 x
+    # 128 = 50304; the old rule, vocab_multiple x tp, gave 50432 at tp 2 and 4224 for 4097 tokens at tp 3)
+    for argv, n, want in [([], 50257, 50304), ([], 4096, 4096), ([], 4097, 4224),
+                          (["--model.vocab_multiple", "1"], 50257, 50257), (["--model.vocab_multiple", "64"], 1000, 1024)]:
+        assert vocab_size_for(load_config(argv), tok(n)) == want, (argv, n)
+    # given: used as given (tp need not divide it), refused when smaller than the tokenizer's
+    assert vocab_size_for(load_config(["--model.vocab_size", "5000"]), tok(4096)) == 5000
+    assert vocab_size_for(load_config(["--model.vocab_size", "4161", "--parallel.tp", "2"]), tok(4096)) == 4161
     with pytest.raises(ValueError, match="has 5000 tokens but model.vocab_size=4096; set --model.vocab_size 5120"):
-        vocab_size_for(load_config(["--model.vocab_size", "4096"]), tok(5000), tp=1)
-    with pytest.raises(ValueError, match=r"vocab_size=4161 does not divide by parallel.tp=2; set --model.vocab_size 4162"):
-        vocab_size_for(load_config(["--model.vocab_size", "4161"]), tok(4096), tp=2)
+        vocab_size_for(load_config(["--model.vocab_size", "4096"]), tok(5000))
 
 
 @pytest.mark.multiprocess

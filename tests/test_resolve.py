@@ -24,13 +24,13 @@ class _Vocabulary:
         self.vocab_size, self.spec = n, f"{n} tokens"
 
 
-def test_tp3_trains_the_padded_vocabulary_of_the_builtin_tokenizer(cache_dir):
-    """The layout is checked with the vocabulary the data layer trains: the built-in 4096-token BPE padded to a
-    multiple of 128 x 3 is 11 x 384 = 4224, which tp 3 divides (the model preset's 4096 does not)."""
+def test_tp3_trains_the_vocabulary_of_one_process(cache_dir):
+    """The layout never changes the vocabulary: the built-in 4096-token BPE trains 4096 rows at tp 3 too (sharded
+    1366, 1365, 1365), where the old rule (a multiple of 128 x tp) made 4224 of them, another model."""
     cfg = load_config(["--data.cache_dir", str(cache_dir), "--parallel.tp", "3", "--model.n_heads", "3",
                        "--model.d_model", "192", "--train.seq_len", "96", "--train.global_batch_size", "4"])
     run = resolve(cfg, WorldInfo(0, 3, 0, 3), CPU)
-    assert run.cfg.model.vocab_size == 4224 and run.tokenizer.vocab_size == 4096
+    assert run.cfg.model.vocab_size == 4096 and run.tokenizer.vocab_size == 4096
     assert run.layout.degrees == (1, 1, 3) and run.cfg.train.micro_batch_size == 4
 
 

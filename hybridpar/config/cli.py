@@ -46,9 +46,11 @@ def _convert(key: str, value: Any, tp) -> Any:
     from_cli = isinstance(value, _CliValue)
     fail = ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}")
     if origin is Union:  # Optional[X]
+        inner = [a for a in args if a is not type(None)]
+        if from_cli and value.strip() in ("", "[]") and any(typing.get_origin(a) is list for a in inner):
+            return []  # an empty list given: none (not the default None stands for)
         if value is None or (from_cli and value.lower() in ("none", "null", "")):
             return None
-        inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             return _convert(key, value, inner[0])
         for a in inner:
@@ -62,7 +64,7 @@ def _convert(key: str, value: Any, tp) -> Any:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, args))}")
         return str(value)
     if origin is list:
-        items = [v.strip() for v in value.split(",") if v.strip()] if from_cli else value
+        items = [v.strip() for v in value.strip("[]").split(",") if v.strip()] if from_cli else value
         if not isinstance(items, list):
             raise fail
         return [_convert(key, _CliValue(v) if from_cli else v, args[0]) for v in items]

@@ -35,10 +35,11 @@ PAD_TO = 16  # batch lengths are rounded up to this, the same on every layout
 
 def vocab_parallel_logprobs(logits, targets: torch.Tensor, tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(target), target is the argmax) per position, from logits (B, T, V) (a DTensor sharded over the vocab
-    under tp, its local slice used) and targets (B, T) (entries < 0 give 0 and False)."""
+    under tp, its local slice used) and targets (B, T) (entries < 0 give 0 and False). A vocabulary tp does not
+    divide is split as torch.chunk splits it: ceil(V / tp) rows a rank, the last ranks fewer (or none)."""
     local = (logits.to_local() if hasattr(logits, "to_local") else logits).float()  # (B, T, Vr)
     several = tp_group is not None and dist.get_world_size(tp_group) > 1
-    start = dist.get_rank(tp_group) * local.shape[-1] if several else 0
+    start = dist.get_rank(tp_group) * -(-logits.shape[-1] // dist.get_world_size(tp_group)) if several else 0
     top = local.max(-1).values  # (B, T)
     if several:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp_group)

@@ -84,8 +84,10 @@ def _last_logits(logits, columns: torch.Tensor) -> torch.Tensor:
     if hasattr(logits, "full_tensor"):  # a tensor-parallel LM head's vocab shards: pick, then gather B x V only
         from torch.distributed.tensor import DTensor, Shard
 
-        local = logits.to_local()[rows, columns]  # (B, V / tp)
-        return DTensor.from_local(local, logits.device_mesh, [Shard(1)]).full_tensor().float()
+        local = logits.to_local()[rows, columns]  # (B, Vr): ceil(V / tp) rows a rank, fewer on the last if uneven
+        whole = (logits.shape[0], logits.shape[-1])
+        return DTensor.from_local(local, logits.device_mesh, [Shard(1)], shape=whole,
+                                  stride=(whole[1], 1)).full_tensor().float()
     return logits[rows, columns].float()
 
 

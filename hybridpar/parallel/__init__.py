@@ -38,7 +38,7 @@ def check_layout(cfg: Config, degrees: tuple[int, int, int], gpus_per_node: int 
     m = cfg.model
     if tp > 1:
         bad = {name: v for name, v in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads),
-                                       ("model.vocab_size", m.vocab_size), ("model.ffn_dim", m.ffn_dim)) if v % tp}
+                                       ("model.ffn_dim", m.ffn_dim)) if v % tp}
         if cfg.parallel.sequence_parallel and cfg.train.seq_len % tp:
             bad["train.seq_len (sequence parallel)"] = cfg.train.seq_len
         if bad:
