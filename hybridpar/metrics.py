@@ -56,8 +56,9 @@ RECORD_ONLY = ("batch_crc32",)  # metrics.jsonl only: an identifier, not a serie
 class MetricsLogger:
     """Appends one JSON object per call to metrics.jsonl, prints a console line, forwards to W&B / TensorBoard."""
 
-    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, config_dict: dict | None = None, out=sys.stdout):
-        self.enabled, self.out, self.total_steps = enabled, out, cfg.train.steps
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, config_dict: dict | None = None, out=None):
+        # out: the stream console lines go to; None = sys.stdout as it is now (not as it was at import)
+        self.enabled, self.out, self.total_steps = enabled, out if out is not None else sys.stdout, cfg.train.steps
         self.file = None
         self.wandb_run = self.tensorboard = None
         self.wandb_step = 0

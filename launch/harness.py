@@ -10,8 +10,39 @@ sequence_parallel, precision, device (hybridpar/interop/lm_eval.py). Needs the e
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+
+# lm-eval options whose files are pickles it reads back (SqliteDict's pickled responses, dill-pickled requests): a
+# file planted there would run code, so they are refused.
+PICKLED_CACHES = ("--use_cache", "-c", "--cache_requests")
+# what only rank 0 may do: every rank computes the same results (they all score every request together)
+RANK_ZERO_ONLY = {"--output_path": 1, "-o": 1, "--log_samples": 0, "-s": 0, "--wandb_args": 1,
+                  "--wandb_config_args": 1, "--hf_hub_log_args": 1}
+
+
+def _refused(argv: list[str]) -> str | None:
+    for a in argv:
+        if a.split("=")[0] in PICKLED_CACHES:
+            return (f"{a.split('=')[0]}: lm-eval keeps that cache as pickles, which run code when read back; "
+                    f"hybridpar's harness does not use it (leave the option out)")
+    return None
+
+
+def _for_rank(argv: list[str], rank: int) -> list[str]:
+    """argv without the options that write results or logs, on every rank but 0."""
+    if rank == 0:
+        return argv
+    out, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+        elif a.split("=")[0] in RANK_ZERO_ONLY:
+            skip = 0 if "=" in a else RANK_ZERO_ONLY[a]
+        else:
+            out.append(a)
+    return out
 
 
 def main() -> int:
@@ -24,6 +55,14 @@ def main() -> int:
     except ImportError:
         print('error: lm-evaluation-harness is not installed: pip install -e ".[eval]"', file=sys.stderr)
         return 2
+    why = _refused(sys.argv[1:])
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    sys.argv[1:] = _for_rank(sys.argv[1:], rank)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # one results table, from rank 0
     import hybridpar.interop.lm_eval  # noqa: F401  (registers --model hybridpar)
     from hybridpar.errors import UserError
     from hybridpar.parallel.distributed import shutdown

@@ -9,12 +9,13 @@ import math
 import os
 import random
 import re
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import run_cli
+from conftest import launcher, run_cli
 from hybridpar.config.cli import load_config
 from hybridpar.errors import ConfigError
 from hybridpar.inference.evaluate import Scorer, run_task, vocab_parallel_logprobs
@@ -258,12 +259,21 @@ def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
         (include / f"{name}.yaml").write_text(f"task: local_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                               f"    test: {data}\ntest_split: test\n{body}")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
-    out = run_cli(["launch/harness.py", "--model", "hybridpar", "--model_args", f"checkpoint={ckpt},tokenizer=bytes",
-                   "--include_path", str(include), "--tasks", "local_mc,local_cloze,local_text,local_gen",
-                   "--batch_size", "4", "--output_path", str(tmp_path / "harness_out"), "--log_samples"], env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    [result_file] = list((tmp_path / "harness_out").rglob("results_*.json"))
-    harness = json.loads(result_file.read_text())["results"]
+
+    def harness_run(name, model_args="", nproc=1):
+        cmd = ["launch/harness.py", "--model", "hybridpar", "--model_args", f"checkpoint={ckpt},tokenizer=bytes"
+               + model_args, "--include_path", str(include), "--tasks", "local_mc,local_cloze,local_text,local_gen",
+               "--batch_size", "4", "--output_path", str(tmp_path / name), "--log_samples"]
+        if nproc > 1:
+            cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
+        out = run_cli(cmd, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        [result_file] = list((tmp_path / name).rglob("results_*.json"))  # one: rank 0's
+        [samples] = list((tmp_path / name).rglob("samples_local_gen_*.jsonl"))
+        assert out.stdout.count("|local_mc") == 1, out.stdout  # one results table
+        return json.loads(result_file.read_text())["results"], samples
+
+    harness, samples = harness_run("harness_out")
     ours_out = run_cli(["launch/evaluate.py", str(ckpt), "--tokenizer", "bytes", "--batch-size", "4", "--tasks",
                         *map(str, paths.values()), "--json", str(tmp_path / "ours.json")])
     assert ours_out.returncode == 0, ours_out.stderr
@@ -276,11 +286,21 @@ def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
     for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
         assert close(harness["local_text"][f"{metric},none"], ours["text"][metric]), metric
 
+    # Under torchrun (tp 2, and FSDP over 2 x tp 2) every rank must score the same requests (lm-eval splits them by
+    # the rank the model reports): the same numbers, texts generated alike, one results file and table
+    for name, model_args, nproc in (("tp2", ",tp=2", 2), ("fsdp2_tp2", ",dp_shard=2,tp=2", 4)):
+        got, got_samples = harness_run(name, model_args, nproc)
+        for task, metrics in harness.items():
+            for metric, want in metrics.items():
+                if isinstance(want, float) and not metric.endswith("_stderr,none"):
+                    assert close(got[task][metric], want), (name, task, metric)
+        gen = lambda path: [json.loads(line)["resps"] for line in path.read_text().splitlines()]
+        assert gen(got_samples) == gen(samples), name
+
     from hybridpar.data.tokenizer import ByteTokenizer
     from hybridpar.inference.load import load_for_inference
     from hybridpar.parallel.distributed import shutdown
 
-    [samples] = list((tmp_path / "harness_out").rglob("samples_local_gen_*.jsonl"))
     texts = {json.loads(line)["doc"]["context"]: json.loads(line)["resps"][0][0]
              for line in samples.read_text().splitlines()}
     contexts = [json.loads(line)["context"] for line in paths["cloze"].read_text().splitlines()]
@@ -351,3 +371,41 @@ def test_evaluate_launcher_refuses_bad_input_with_one_line(tmp_path, cache_dir, 
                    str(run_dir), "--train.eval_tasks", str(tmp_path / "nope.jsonl")])
     assert out.returncode == 2 and "nope.jsonl' does not exist" in out.stderr and not run_dir.exists(), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.multiprocess  # importing lm-eval starts a process (huggingface_hub)
+def test_harness_refuses_bad_model_args_and_pickled_caches_in_one_line(tmp_path, monkeypatch, capsys):
+    """launch/harness.py in this process: a model_args typo, a missing checkpoint, a batch size or window that is
+    no positive number, and lm-eval's pickled caches (--use_cache, --cache_requests): one line each, exit 2,
+    nothing written; the options that write results are dropped on ranks other than 0."""
+    harness = launcher("harness")
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "t.yaml").write_text(f"task: local_t\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                               f"    test: {tmp_path / 'none.jsonl'}\ntest_split: test\n"
+                                               + HARNESS_TASKS["mc"])
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = ["harness.py", "--model", "hybridpar", "--include_path", str(tmp_path / "tasks"), "--tasks", "local_t",
+            "--output_path", str(tmp_path / "out")]
+    cases = [(["--model_args", "checkpoint=runs/x,max_lenght=5"], "max_lenght=... is not an argument of the hybridpar"),
+             (["--model_args", "checkpoint=runs/x", "--use_cache", str(tmp_path / "c")], "--use_cache: lm-eval keeps"),
+             (["--model_args", "checkpoint=runs/x", "--cache_requests", "true"], "--cache_requests: lm-eval keeps")]
+    for extra, message in cases:
+        monkeypatch.setattr(sys, "argv", base + extra)
+        assert harness.main() == 2
+        err = capsys.readouterr().err  # (lm-eval's own INFO log lines come before it)
+        last = err.splitlines()[-1]
+        assert message in last and last.startswith("error: ") and err.count("error") == 1, (extra, err)
+        assert "Traceback" not in err
+        assert not (tmp_path / "out").exists() and not (tmp_path / "c").exists()
+    from hybridpar.interop.lm_eval import HybridparLM
+
+    for args, extra, message in [("chekpoint=runs/x", {}, "chekpoint=... is not an argument of the hybridpar model"),
+                                 ("tp=2", {}, "--model_args needs checkpoint=PATH"),
+                                 ("checkpoint=runs/x", {"batch_size": "abc"}, "--batch_size='abc' must be a positive"),
+                                 ("checkpoint=runs/x,max_length=-5", {}, "max_length=-5.0 must be a positive whole"),
+                                 ("checkpoint=runs/x,max_length=2.5", {}, "max_length=2.5 must be a positive whole")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            HybridparLM.create_from_arg_string(args, extra)  # as lm-eval makes the model from --model_args
+    argv = ["--tasks", "t", "--output_path", "o", "-s", "--wandb_args=project=p", "--log_samples", "--limit", "3"]
+    assert harness._for_rank(argv, 0) == argv and harness._for_rank(argv, 1) == ["--tasks", "t", "--limit", "3"]

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import random
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -56,9 +57,18 @@ def load_builtin_corpus(cache_dir: Path) -> tuple[list[str], str]:
     import platform
 
     path = cache_dir / f"corpus-builtin-v{CORPUS_VERSION}-py{platform.python_version()}.json"
+    docs = None
     if path.is_file():
-        docs = json.loads(path.read_text(encoding="utf-8"))
-    else:
+        try:
+            docs = json.loads(path.read_text(encoding="utf-8"))  # JSON: nothing in it can run
+        except (ValueError, UnicodeDecodeError) as e:
+            why = str(e)
+        else:
+            why = "not a list of texts"
+        if not (isinstance(docs, list) and all(isinstance(d, str) for d in docs)):
+            print(f"warning: the built-in corpus cache {path} is damaged ({why[:80]}); built again", file=sys.stderr)
+            docs = None
+    if docs is None:
         docs = build_documents()
         atomic_write(path, json.dumps(docs))
     return docs, sha256_docs(docs)

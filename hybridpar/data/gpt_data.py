@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridpar.data.index_cache import check_index_files, check_index_values, no_pickle_numpy
 from hybridpar.data.indexed import DataError, IndexedTokens, bin_path, idx_path
 
 SPLITS = ("train", "valid", "test")
@@ -127,6 +128,7 @@ def _megatron():
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
         from megatron.core.datasets.indexed_dataset import IndexedDataset
         from megatron.core.datasets.utils import Split
+    no_pickle_numpy(sys.modules[BlendedDataset.__module__], sys.modules[GPTDataset.__module__])
     logging.getLogger("megatron").setLevel(logging.WARNING)
     return BlendedDataset, GPTDataset, GPTDatasetConfig, IndexedDataset, Split
 
@@ -145,22 +147,32 @@ def _files_key(blend) -> str:
 def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num_samples: dict[str, int],
            cache_dir: Path) -> dict[str, object]:
     BlendedDataset, GPTDataset, GPTDatasetConfig, IndexedDataset, Split = _megatron()
+    index_dir = cache_dir / "megatron-index" / _files_key(blend)
+    check_index_files(index_dir)  # before megatron-core reads any of them (hybridpar/data/index_cache.py)
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_len, blend=([p for _, p in blend], [w for w, _ in blend]),
-        split=split, path_to_cache=str(cache_dir / "megatron-index" / _files_key(blend)),
+        split=split, path_to_cache=str(index_dir),
         tokenizer=_TokenizerView(tokenizer),
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
         mid_level_dataset_surplus=SURPLUS)
     low = {p: IndexedDataset(p, multimodal=False, mmap=True) for _, p in blend}
     out = {}
-    for name, n_samples in num_samples.items():
-        parts = []
-        for weight, prefix in blend:
-            beg, end = split_ranges(len(low[prefix]), fractions)[SPLITS.index(name)]
-            size = n_samples if len(blend) == 1 else int(math.ceil(math.ceil(n_samples * weight) * (1 + SURPLUS)))
-            parts.append(GPTDataset(low[prefix], prefix, np.arange(beg, end, dtype=np.int32), size, Split[name],
-                                    config))
-        out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, [w for w, _ in blend], n_samples, config)
+    try:
+        for name, n_samples in num_samples.items():
+            parts = []
+            for weight, prefix in blend:
+                beg, end = split_ranges(len(low[prefix]), fractions)[SPLITS.index(name)]
+                size = n_samples if len(blend) == 1 else int(math.ceil(math.ceil(n_samples * weight) * (1 + SURPLUS)))
+                parts.append(GPTDataset(low[prefix], prefix, np.arange(beg, end, dtype=np.int32), size, Split[name],
+                                        config))
+            out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, [w for w, _ in blend], n_samples,
+                                                                        config)
+            check_index_values(out[name])
+    except ValueError as e:
+        if "pickle" not in str(e):
+            raise
+        raise DataError(f"an index cache under {index_dir} was replaced by a pickle while it was read (refused, "
+                        f"not unpickled); delete that directory and check who else writes to data.cache_dir") from None
     return out
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, DataError
 
 KINDS = {"multiple_choice": ("context", "choices", "label"), "cloze": ("context", "target"), "perplexity": ("text",)}
 BUILTIN = ("builtin:next-words",)
@@ -136,9 +137,13 @@ def builtin_task(spec: str, data) -> Task:
     docs, sha = load_builtin_corpus(data.cache_path)
     (_, _), (vb, ve), _ = split_ranges(len(docs), data.split_fractions)
     path = data.cache_path / f"task-next-words-v1-{sha[:16]}-{vb}-{ve}.jsonl"
-    if not path.is_file():
-        rows = next_words_examples(docs[vb:ve])
-        atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows))
+    if path.is_file():
+        try:
+            return read_task(path, name="next-words")
+        except (ConfigError, DataError) as e:
+            print(f"warning: the built-in task cache {path} is damaged ({str(e)[-80:]}); built again", file=sys.stderr)
+    rows = next_words_examples(docs[vb:ve])
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows))
     return read_task(path, name="next-words")
 
 
