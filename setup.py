@@ -38,7 +38,9 @@ setup(
         "fp8": ["torchao==0.18.0"],  # train.fp8: torchao's float8 training (torch >= 2.11 for this version)
         "hf": ["transformers"],  # launch/convert_checkpoint.py to-hf / from-hf
         "plot": ["matplotlib"],  # launch/plot_metrics.py
-        "eval": ["lm-eval==0.4.13"],  # launch/harness.py: lm-evaluation-harness with --model hybridpar
+        # launch/harness.py: lm-evaluation-harness with --model hybridpar; accelerate: lm-eval's own hf model, to score a
+        # to-hf export side by side (docs/evaluation.md)
+        "eval": ["lm-eval==0.4.13", "accelerate"],
         "tensorboard": ["tensorboard"],  # logging.tensorboard
     },
 )
