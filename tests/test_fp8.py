@@ -199,7 +199,8 @@ def test_every_layout_gives_the_single_process_fp8_curve(tmp_path, cache_dir):
 
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_fp8_worker, args=(1, str(tmp_path / "init1"), str(cache_dir),
-                                [(r, (1, 1, 1)) for r in ("tensorwise", "rowwise")], results), nprocs=1, join=True)
+                                [(r, (1, 1, 1)) for r in ("tensorwise", "rowwise", "off")], results), nprocs=1,
+             join=True)
     mp.spawn(_fp8_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), CASES, results), nprocs=4, join=True)
     for recipe, layout in CASES:
         ref, _ = results[recipe, (1, 1, 1)]
@@ -207,6 +208,16 @@ def test_every_layout_gives_the_single_process_fp8_curve(tmp_path, cache_dir):
         assert skipped == 0 and ref[-1] < ref[0] - 0.5  # it trains
         for step, (got, want) in enumerate(zip(losses, ref), 1):
             assert abs(got - want) <= FP8_LAYOUT_RTOL * want, (recipe, layout, step, got, want)
+        # fp8 really ran: its curve leaves the fp32 one by more than the fp32 layout bound (1e-5), so a run with fp8
+        # silently off could not pass the comparison above (largest gaps measured 2026-12-03: tensorwise 3.0e-4,
+        # rowwise 1.5e-4; tensorwise vs rowwise 1.7e-4)
+        assert _largest_gap(losses, results["off", (1, 1, 1)][0]) > 1e-5, (recipe, layout)
+    tensorwise, rowwise = results["tensorwise", (1, 2, 2)][0], results["rowwise", (1, 2, 2)][0]
+    assert _largest_gap(tensorwise, rowwise) > 1e-5  # the recipes are two numerics, not one under two names
+
+
+def _largest_gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
 SMALL = ["--model.n_layers", "2", "--model.d_model", "64", "--model.n_heads", "4", "--train.global_batch_size", "8",
