@@ -22,6 +22,9 @@ from hybridpar.errors import ConfigError, UserError
 from hybridpar.models.config import doc
 
 
+MAX_PROMPTS_BYTES = 64 * 2**20  # prompts and their continuations are held in memory
+
+
 @dataclass(frozen=True)
 class Options:
     checkpoint: Optional[str] = doc(None, "a run dir, checkpoint dir or export (default: the first argument)")
@@ -50,8 +53,14 @@ def parse(argv: list[str]):
             raise ConfigError("give the CHECKPOINT (a run dir, checkpoint dir or export) and a prompt; see --help")
         a = replace(a, checkpoint=a.prompts[0], prompts=a.prompts[1:])
     prompts = list(a.prompts)
+    if not 0 <= a.seed < 2**63:
+        raise ConfigError(f"--seed {a.seed} must be in [0, 2**63) (a torch generator's seed)")
     if a.prompts_file:
         path = Path(a.prompts_file)
+        size = path.stat().st_size if path.is_file() else 0
+        if size > MAX_PROMPTS_BYTES:
+            raise ConfigError(f"--prompts-file {a.prompts_file!r} holds {size:,} bytes, over {MAX_PROMPTS_BYTES:,}: "
+                              f"generation keeps every prompt and its output in memory; split the file")
         try:
             prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
         except (OSError, UnicodeDecodeError) as e:

@@ -191,7 +191,14 @@ def test_numbers_out_of_range_are_one_line_errors(tmp_path):
                           (["--data.split", "nan,5,0"], "data.split='nan,5,0': give three weights"),
                           (["--data.split", "inf,5,0"], "data.split='inf,5,0': give three weights"),
                           (["--model.init_std", "-1"], "model.init_std=-1.0 must be a positive number"),
-                          (["--data.path", ""], "data.path='' names no data")]:
+                          (["--data.path", ""], "data.path='' names no data"),
+                          (["--optim.muon_lr", "1e30"], "optim.muon_lr=1e+30 is above 10: such a step overflows"),
+                          (["--optim.lr", "50"], "optim.lr=50.0 is above 10"),
+                          (["--optim.muon_ns_steps", "1000000"], "optim.muon_ns_steps=1000000 is above 100: each "
+                                                                 "iteration is three matmuls"),
+                          (["--spike.lr_scale", "1e300"], "spike.lr_scale=1e+300 must be in (0, 1]"),
+                          (["--logging.wandb.id", "../x"], "logging.wandb.id='../x': a W&B run id is 1-128"),
+                          (["--logging.wandb.id", ".."], "logging.wandb.id='..': a W&B run id")]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(argv)
     from hybridpar.data.dataset import load_data_tokenizer
@@ -205,12 +212,18 @@ def test_config_files_a_careless_edit_breaks_are_one_line_errors(tmp_path):
     """A key given twice (the last silently won), a section that is a scalar (read as empty: the defaults ran), a
     file that is not UTF-8 (a traceback), and a run name that would write outside runs/."""
     cases = [(b"train:\n  steps: 3\n  steps: 5\n", "is not valid YAML: key 'steps' is given twice"),
-             (b"train: 0\n", "train must be a mapping, got 0"), (b'train: ""\n', "train must be a mapping, got ''"),
+             (b"train: 0\n", "section train: 0 is not a mapping"), (b'train: ""\n', "section train: '' is not a mapping"),
              (b"train:\n  steps: 3 \xff\n", "is not UTF-8 text (byte 18); save it as UTF-8")]
     for i, (text, message) in enumerate(cases):
         (tmp_path / f"{i}.yaml").write_bytes(text)
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(["--config", str(tmp_path / f"{i}.yaml")])
+        # also when the command line sets a field of that section (its values used to replace the scalar)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(["--config", str(tmp_path / f"{i}.yaml"), "--train.steps", "4"])
+    (tmp_path / "nested.yaml").write_text("logging:\n  wandb: 0\n")
+    with pytest.raises(ConfigError, match=re.escape("logging.wandb: 0 in the --config file is not a mapping")):
+        load_config(["--config", str(tmp_path / "nested.yaml"), "--logging.wandb.mode", "disabled"])
     for name in ("../x", "a/b", "..", "."):
         with pytest.raises(ConfigError, match=re.escape(f"run.name={name!r} must be a plain name")):
             load_config(["--run.name", name])

@@ -182,7 +182,6 @@ def test_fsdp_is_given_what_the_strategy_says(strategy, degrees, block_reshard):
 
 @pytest.mark.parametrize("argv, degrees, gpus, message", [
     (["--model.n_heads", "2"], (1, 1, 4), None, "model.n_heads=2"),
-    (["--model.vocab_size", "4098"], (1, 1, 4), None, "model.vocab_size=4098"),
     (["--train.seq_len", "66"], (1, 1, 4), None, "train.seq_len (sequence parallel)=66"),
     ([], (1, 1, 4), 2, "parallel.tp=4 exceeds the 2 GPUs of a node"),
     (["--parallel.fsdp_strategy", "3"], (1, 4, 1), None, "fsdp_strategy=3 must divide"),
@@ -192,6 +191,11 @@ def test_layout_validation_errors(argv, degrees, gpus, message):
     with pytest.raises(ValueError) as e:
         check_layout(load_config(argv), degrees, gpus)
     assert message in str(e.value)
+
+
+def test_a_vocabulary_tp_does_not_divide_is_no_layout_error():
+    """tp shards such a vocabulary unevenly (tests/test_vocab_tp.py trains it): the layout never changes the model."""
+    check_layout(load_config(["--model.vocab_size", "4098"]), (1, 1, 4), None)
 
 
 def test_world_from_torchrun_and_slurm_env():

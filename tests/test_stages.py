@@ -136,11 +136,17 @@ def test_counts_and_reads_equal_a_loop_over_positions():
     (["0 seq 0: a"], "seq 0 must be >= 1"),
     (["0: 0.5 a b"], "blend '0.5 a b': a blend is 'WEIGHT PREFIX"),
     (["0: -1 a 1 b"], "blend weight -1 must be a positive number"),
+    (["0: 0.25 a 0.25 a 0.5 b"], "names a twice; name it once with the weights added (0.5)"),  # as data.path
 ])
 def test_bad_stages_are_one_line_errors(entries, message):
     with pytest.raises(DataError, match=re.escape(message)) as e:
         StagePlan.parse(entries, global_batch=4, seq_len=32)
     assert "\n" not in str(e.value)
+    if "twice" in message:  # the same rule for data.path (it used to add the weights, stages to keep the last)
+        from hybridpar.data.gpt_data import parse_blend
+
+        with pytest.raises(DataError, match=re.escape(message)):
+            parse_blend(entries[0][3:])
 
 
 def _source_files(directory, n_docs=(300, 300), seed=0):

@@ -8,6 +8,7 @@ once by hybridpar.resolve, into a new Config. Loading from YAML and the command 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
@@ -150,6 +151,10 @@ class TrainConfig:
                              "sample_temperature must be >= 0")
 
 
+MAX_LR = 10.0  # above any peak learning rate that trains (AdamW ~1e-4..1e-2, Muon ~0.02)
+MAX_NS_STEPS = 100  # Newton-Schulz iterations: 5 converge for Muon's quintic
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     name: Literal["adamw", "muon"] = doc(
@@ -185,6 +190,13 @@ class OptimConfig:
     def __post_init__(self):
         _positive("optim", lr=self.lr, eps=self.eps, decay_steps=self.decay_steps, muon_lr=self.muon_lr,
                   muon_ns_steps=self.muon_ns_steps)
+        for name in ("lr", "muon_lr"):  # a step of that size leaves float range within a few steps (NaN weights)
+            if (getattr(self, name) or 0) > MAX_LR:
+                raise ValueError(f"optim.{name}={getattr(self, name)} is above {MAX_LR:g}: such a step overflows the "
+                                 f"weights to NaN; peak rates are around 1e-4..1e-2 (AdamW) and 0.02 (Muon)")
+        if self.muon_ns_steps > MAX_NS_STEPS:
+            raise ValueError(f"optim.muon_ns_steps={self.muon_ns_steps} is above {MAX_NS_STEPS}: each iteration is "
+                             f"three matmuls of every hidden matrix in every step; 5 converges (Muon's default)")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)")
         if self.min_lr < 0 or self.min_lr > self.lr:
@@ -218,6 +230,9 @@ class SpikeConfig:
         _positive("spike", window=self.window, zscore=self.zscore, skip=self.skip, lr_scale=self.lr_scale)
         if self.window < 2:
             raise ValueError(f"spike.window={self.window} must be >= 2 (a standard deviation needs two steps)")
+        if self.lr_scale > 1:
+            raise ValueError(f"spike.lr_scale={self.lr_scale} must be in (0, 1]: it lowers the learning rate after a "
+                             f"rewind (e.g. 0.5)")
         if self.min_rise < 0 or self.grad_norm_zscore < 0 or self.grad_norm_min_rise < 0:
             raise ValueError("spike.min_rise, spike.grad_norm_zscore and spike.grad_norm_min_rise must be >= 0")
         if self.max_rewinds < 0 or self.lr_steps < 0 or self.keep_in_memory < 0:
@@ -258,6 +273,12 @@ class WandbConfig:
     tags: list[str] = doc([], "W&B tags (comma-separated on the command line)")
     dir: Optional[str] = doc(None, "where W&B writes; None = <run.dir>")
     id: Optional[str] = doc(None, "W&B run id; None = a new one, or the one a resumed checkpoint recorded")
+
+    def __post_init__(self):
+        # W&B's own rule for run ids (it refuses others after the run dir exists), checked before anything is written
+        if self.id is not None and (not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", self.id) or set(self.id) == {"."}):
+            raise ValueError(f"logging.wandb.id={self.id!r}: a W&B run id is 1-128 letters, digits, '_', '-' or '.' "
+                             f"(not only dots); e.g. --logging.wandb.id run-042")
 
 
 @dataclass(frozen=True)

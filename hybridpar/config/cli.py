@@ -302,10 +302,13 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, dict]:
     return config_path, tree
 
 
-def _merge(base: dict, top: dict) -> dict:
+def _merge(base: dict, top: dict, where: str = "") -> dict:
     out = dict(base)
     for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        if isinstance(v, dict) and out.get(k) is not None and not isinstance(out[k], dict):
+            raise ConfigError(f"{where}{k}: {out[k]!r} in the --config file is not a mapping of its fields; write "
+                              f"'{k}: {{FIELD: VALUE}}' or leave it out")
+        out[k] = _merge(out[k], v, f"{where}{k}.") if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -339,6 +342,10 @@ def load_config(argv: list[str]) -> Config:
             raise ConfigError(f"--config {config_path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"--config {config_path} must hold a mapping of sections")
+        bad = next((k for k, v in tree.items() if v is not None and not isinstance(v, dict)), None)
+        if bad is not None:  # checked before the command line's values merge into it (they would replace it)
+            raise ConfigError(f"--config {config_path}: section {bad}: {tree[bad]!r} is not a mapping of its fields; "
+                              f"write '{bad}: {{FIELD: VALUE}}' or leave the section out")
     tree = _merge(tree, overrides)
     run = tree.get("run")
     if config_path is not None and (run is None or isinstance(run, dict) and run.get("name") is None):

@@ -56,6 +56,11 @@ def parse_blend(path: str) -> list[tuple[float, str]]:
         if not weight > 0 or math.isinf(weight):
             raise DataError(f"data.path={path!r}: blend weight {w} must be a positive number")
         pairs.append((weight, prefix))
+    seen = [p for _, p in pairs]
+    twice = next((p for p in seen if seen.count(p) > 1), None)
+    if twice is not None:  # one rule for data.path and every stage: a source is named once, with its whole weight
+        added = sum(w for w, p in pairs if p == twice)
+        raise DataError(f"data.path={path!r} names {twice} twice; name it once with the weights added ({added:g})")
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
 
