@@ -13,6 +13,7 @@ checkpoint's data.split). --parallel.* and --train.precision / --train.device se
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -47,6 +48,12 @@ def parse(argv: list[str]):
         raise ConfigError("give --tasks FILE [FILE ...] (task files or builtin:next-words)")
     if a.batch_size < 1 or (a.max_len is not None and a.max_len < 2):
         raise ConfigError(f"--batch-size {a.batch_size} must be >= 1 and --max-len {a.max_len} >= 2")
+    if a.json is not None:  # checked now, not after the whole evaluation
+        out = Path(a.json)
+        if out.is_dir() or not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+            why = "is a directory" if out.is_dir() else ("is in no existing directory" if not out.parent.is_dir()
+                                                         else "is in a directory this user cannot write")
+            raise ConfigError(f"--json {a.json!r} {why}; give a file path in a writable directory")
     return a, cfg, any(arg.startswith("--data.") for arg in argv)
 
 
@@ -54,6 +61,7 @@ def main(a, cfg, own_data: bool) -> dict:
     import torch.distributed as dist
 
     from hybridpar.config.cli import config_from_dict
+    from hybridpar.data.corpus import atomic_write
     from hybridpar.inference.evaluate import Scorer, run_task
     from hybridpar.inference.load import find_source, load_for_inference
     from hybridpar.inference.tasks import load_tasks
@@ -87,7 +95,11 @@ def main(a, cfg, own_data: bool) -> dict:
                       flush=True)
         if rank0 and a.json:
             out = {"checkpoint": str(loaded.source.path), "layout": list(run.layout.degrees), "tasks": results}
-            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+            try:
+                atomic_write(Path(a.json), json.dumps(out, indent=1) + "\n")  # whole or not at all
+            except OSError as e:
+                raise ConfigError(f"--json {a.json!r} could not be written ({e.strerror or e}); nothing was written "
+                                  f"there, the results are printed above") from None
         if dist.get_world_size() > 1:
             dist.barrier()
         return results

@@ -337,10 +337,25 @@ def test_evaluate_launcher_refuses_bad_input_with_one_line(tmp_path, cache_dir, 
                                                                                "choices a list of two or more"),
                           (base, "give --tasks"),
                           (base + ["--tasks", str(paths["mc"]), "--max-len", "100"], "exceeds the model's context"),
-                          (base + ["--tasks", str(paths["mc"]), "--parallel.tp", "2"], "world")]:
+                          (base + ["--tasks", str(paths["mc"]), "--parallel.tp", "2"], "world"),
+                          (base + ["--tasks", str(paths["mc"]), "--json", str(tmp_path / "no" / "r.json")],
+                           "is in no existing directory"),
+                          (base + ["--tasks", str(paths["mc"]), "--json", str(tmp_path)], "is a directory")]:
         assert evaluate(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    # a full disk (a real 16 KiB tmpfs, in a mount namespace of its own): the whole evaluation runs, then one line,
+    # and neither the file nor a temporary one is left there
+    full = tmp_path / "full"
+    full.mkdir()
+    script = (f"mount -t tmpfs -o size=16k tmpfs {full} && head -c 16384 /dev/zero > {full}/filler; "
+              f"{sys.executable} launch/evaluate.py {' '.join(base)} --tasks {paths['mc']} --json {full}/r.json; "
+              f"echo rc=$?; ls -A {full}")
+    out = run_cli(["-c", f"import subprocess, sys; sys.exit(subprocess.call(['unshare', '--mount', "
+                         f"'--propagation', 'private', 'sh', '-c', {script!r}]))"])
+    assert "rc=2" in out.stdout and out.stdout.strip().endswith("rc=2\nfiller"), (out.stdout, out.stderr)
+    assert "could not be written (No space left on device); nothing was written there" in out.stderr, out.stderr
+    assert out.stderr.count("error:") == 1 and "Traceback" not in out.stderr
 
     export = tmp_path / "export"
     assert convert(["to-torch", "--checkpoint", str(ckpt), "--out", str(export)]) == 0

@@ -86,5 +86,9 @@ def atomic_write(path: Path, text: str) -> None:
     """Write via a temporary file and rename, so a concurrent reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, say: no half-written file is left behind
+        tmp.unlink(missing_ok=True)
+        raise
