@@ -84,11 +84,15 @@ def _our_metas(ckpt: Path) -> dict:
 
 
 def to_hf_cmd(a) -> str:
-    from hybridpar.interop.hf import export_hf_tokenizer, family, hf_export_plan, write_safetensors_streaming
+    from hybridpar.interop.hf import (TOKENIZER_FILES, export_hf_tokenizer, family, hf_export_plan, regular_file_of,
+                                      write_safetensors_streaming)
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt).model
     family(cfg)  # fails before any heavy work for an architecture HF has no class for
+    for name in TOKENIZER_FILES:  # each a regular file of the checkpoint, never a link out of it: checked first
+        if (ckpt / name).exists() or (ckpt / name).is_symlink():
+            regular_file_of(ckpt, name)
     hf_cfg, metas, sources = hf_export_plan(cfg, _our_metas(ckpt))
 
     def load_one(name):  # one of their tensors, from the one to three of ours it is made of

@@ -125,6 +125,14 @@ def test_no_export_follows_a_link_out_of_its_source(tmp_path):
                    str(tmp_path / "pt")])
     assert out.returncode == 2 and "tokenizer.json is not a regular file of" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "pt").exists()
+    out = run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "h")])
+    assert out.returncode == 2 and "tokenizer.json is not a regular file of" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "h").exists()
+    from hybridpar.errors import CheckpointError
+    from hybridpar.inference.load import find_source, source_tokenizer
+
+    with pytest.raises(CheckpointError, match="tokenizer.json is not a regular file of"):  # generate.py, evaluate.py
+        source_tokenizer(find_source(str(ckpt)))
     (ckpt / "tokenizer.json").unlink()
     (ckpt / "tokenizer.txt").write_text("bytes\n")  # a regular tokenizer file is copied
     assert run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out",

@@ -269,7 +269,7 @@ def export_hf_tokenizer(ckpt: Path, out: Path, max_len: int) -> tuple[int | None
     if (ckpt / "tokenizer.json").is_file():  # train-bpe, bpe:PATH, gpt2:DIR
         from transformers import PreTrainedTokenizerFast
 
-        run_tok = load_tokenizer(f"bpe:{ckpt / 'tokenizer.json'}")  # the run's end-of-document rule, as in training
+        run_tok = load_tokenizer(f"bpe:{regular_file_of(ckpt, 'tokenizer.json')}")  # the run's end-of-document rule
         eod, text = run_tok.eod_id, run_tok.tok.id_to_token(run_tok.eod_id)
         PreTrainedTokenizerFast(tokenizer_object=run_tok.tok, eos_token=text, bos_token=text, pad_token=text,
                                 model_max_length=max_len).save_pretrained(out)
