@@ -348,3 +348,30 @@ def test_muon_starts_from_a_seed_checkpoint_and_refuses_adamw_state(muon_referen
         f"error: {ckpt} holds adamw optimizer state and this run has optim.name=muon; resume with --optim.name "
         f"adamw, or start from its weights with --checkpoint.load_weights_only true")
     assert not (tmp_path / "mixed").exists()
+
+
+# Written out by hand (not read from DATA_FIELDS): what the consumed-samples position means. Changing any of them
+# on a resume indexes other samples, so each must be named and refused; the others must not be.
+DATA_DEFINING = [("train.seed", "99"), ("train.seq_len", "64"), ("data.path", "/data/other"),
+                 ("data.split", "90,10,0"), ("data.tokenizer", "bytes"), ("data.stages", "0: builtin")]
+NOT_DATA_DEFINING = [("train.global_batch_size", "64"), ("data.source_exhausted", "stop"), ("train.steps", "7"),
+                     ("data.cache_dir", "/elsewhere"), ("optim.lr", "0.001")]
+
+
+@pytest.mark.parametrize("field, value", DATA_DEFINING + NOT_DATA_DEFINING, ids=[f for f, _ in DATA_DEFINING +
+                                                                                   NOT_DATA_DEFINING])
+def test_each_data_defining_field_changed_on_resume_is_named(field, value, tmp_path):
+    import yaml
+
+    from hybridpar.checkpoint.resume_checks import data_changes, data_key
+    from hybridpar.config.cli import load_config, to_dict
+
+    saved = load_config([])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(saved)))
+    now = load_config([f"--{field}", value])
+    changes = data_changes(tmp_path, now, None)
+    if (field, value) in DATA_DEFINING:
+        assert [c.split(":")[0] for c in changes] == [field], changes
+        assert data_key(now) != data_key(saved)
+    else:
+        assert changes == [] and data_key(now) == data_key(saved), changes

@@ -141,6 +141,52 @@ def test_task_metrics_equal_a_hand_computation(tmp_path):
         dist.destroy_process_group()
 
 
+
+def test_acc_norm_divides_by_characters_and_continuations_are_encoded_in_context(tmp_path):
+    """With a BPE tokenizer, where a choice's characters and tokens differ (lm-eval's conventions: encode context +
+    continuation and score the tokens after the context's; acc_norm divides by characters). The reference is a
+    plain forward of each whole sequence, summed here over the continuation's positions; on this model dividing by
+    tokens picks other answers, so a scorer that did would fail."""
+    from hybridpar.data.tokenizer import HFTokenizer, train_bpe
+    from hybridpar.models import build_model, get_model_config
+    from hybridpar.parallel.distributed import init_mesh
+
+    rng = random.Random(1)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(30)) for _ in range(200)]
+    tok = HFTokenizer(train_bpe(docs, 400), "bpe:test")
+    examples = [{"context": "the wor", "choices": ["d", "d of the which", "k", "ds are"], "label": 1},
+                {"context": "for an", "choices": [" have but", " at", "d with", " from the"], "label": 0},
+                {"context": "it wa", "choices": ["y of that", " not", "y", " be"], "label": 3}]
+    (tmp_path / "mc.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = build_model(get_model_config("tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=tok.vocab_size,
+                                             max_seq_len=64), device="cpu").eval()
+        scorer = Scorer(model, init_mesh((1, 1, 1), torch.device("cpu")), torch.device("cpu"), tok, 32, 3)
+        got = run_task(read_task(tmp_path / "mc.jsonl"), scorer)
+        acc = acc_norm = differs = 0
+        for e in examples:
+            ctx = tok.encode(e["context"])
+            lls, n_tokens = [], []
+            for c in e["choices"]:
+                whole = tok.encode(e["context"] + c)
+                with torch.no_grad():
+                    logp = model(torch.tensor([whole])).float().log_softmax(-1)[0]  # (T, V)
+                lls.append(sum(float(logp[i - 1, whole[i]]) for i in range(len(ctx), len(whole))))
+                n_tokens.append(len(whole) - len(ctx))
+            want = [v for v, _ in scorer.loglikelihood([scorer.encode_pair(e["context"], c) for c in e["choices"]])]
+            assert all(abs(a - b) < 1e-5 for a, b in zip(want, lls)), (want, lls)  # request by request
+            by_chars = max(range(4), key=lambda i: lls[i] / len(e["choices"][i]))
+            acc += max(range(4), key=lambda i: lls[i]) == e["label"]
+            acc_norm += by_chars == e["label"]
+            differs += by_chars != max(range(4), key=lambda i: lls[i] / n_tokens[i])
+        assert (got["acc"], got["acc_norm"]) == (acc / 3, acc_norm / 3)
+        assert differs >= 1  # the test can tell characters from tokens
+    finally:
+        dist.destroy_process_group()
+
+
 def test_vocab_parallel_logprobs_equal_log_softmax():
     """The hand-written log-softmax (max, sum of exponentials, picked logit) of one rank against torch's."""
     torch.manual_seed(0)

@@ -46,6 +46,11 @@ def test_spike_test_waits_for_a_full_window_and_tests_the_norm_when_asked():
     assert find_spike(cfg, history, 50.0, 1.0).startswith("loss 50")
     assert find_spike(cfg, history, 5.0, 100.0) is None  # the norm is not tested by default
     assert find_spike(replace(cfg, grad_norm_zscore=3.0), history, 5.0, 100.0).startswith("gradient norm 100")
+    # a norm 60% above its window's mean (many sigmas): past min_rise (10%), short of grad_norm_min_rise (100%), so
+    # no spike; the norm's own minimum is what decides, never the loss's
+    norms = replace(cfg, grad_norm_zscore=3.0, grad_norm_min_rise=1.0)
+    assert find_spike(norms, history, 5.0, 1.6) is None
+    assert find_spike(replace(norms, grad_norm_min_rise=0.5), history, 5.0, 1.6).startswith("gradient norm 1.6")
 
 
 def test_batch_numbers_skip_the_windows():
@@ -65,6 +70,11 @@ def test_skipped_batches_must_be_ahead_and_fit_the_split():
                                                          "14: skip fewer batches or lower train.steps")
     assert "batch 5 was trained already (the run is at step 6, batch 6)" in str(check_skips(cfg, 6, [], windows, 15))
     assert check_skips(cfg, 6, [(5, 9)], windows, 15) is None  # the checkpoint skipped them already
+    # the boundary: at step 6 (nothing skipped) batch 6 is the last trained one, batch 7 the next
+    for window, refused in (("6-8", True), ("7-8", False)):
+        cfg = Config(train=TrainConfig(steps=10), data=DataConfig(skip_batches=[window]))
+        why = check_skips(cfg, 6, [], cfg.data.skip_windows, 15)
+        assert (why is not None) == refused and (not refused or "batch 6 was trained already" in str(why)), window
 
 
 def test_bad_spike_settings_are_one_line_errors():
