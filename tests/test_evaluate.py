@@ -54,7 +54,9 @@ def test_task_files_and_their_one_line_errors(tmp_path):
              ("label.jsonl", '{"context": "a", "choices": [" b", " c"], "label": 2}\n', "label 2 must be an index"),
              ("kind.jsonl", '{"question": "a"}\n', "a task line needs context + choices + label"),
              ("empty.jsonl", "\n\n", "holds no examples"),
-             ("list.jsonl", "[1, 2]\n", "list.jsonl:1: not a JSON object")]
+             ("list.jsonl", "[1, 2]\n", "list.jsonl:1: not a JSON object"),
+             ("many.jsonl", json.dumps({"context": "a", "choices": [" b"] * 100_000, "label": 0}) + "\n",
+              "many.jsonl:1: 100,000 choices, over 1,000")]
     for name, text, message in cases:
         if text is not None:
             (tmp_path / name).write_text(text)

@@ -32,6 +32,9 @@ class Task:
     examples: tuple  # of dicts with KINDS[kind]'s fields
 
 
+MAX_CHOICES = 1000  # multiple-choice benchmarks have 2-10; a line of more is a mistake, and minutes of silent work
+
+
 def _kind_of(row: dict, where: str) -> str:
     for kind, fields in KINDS.items():
         if set(row) >= set(fields):
@@ -47,6 +50,9 @@ def _check(row: dict, kind: str, where: str) -> None:
         if not isinstance(row["context"], str) or not isinstance(ch, list) or len(ch) < 2 or \
                 not all(isinstance(c, str) and c for c in ch):
             bad = "context must be text and choices a list of two or more non-empty texts"
+        elif len(ch) > MAX_CHOICES:  # each choice is a scored sequence: 10^5 of them are minutes of forwards a line
+            bad = (f"{len(ch):,} choices, over {MAX_CHOICES:,}: each is a forward pass over its context; split the "
+                   f"line or trim its choices")
         elif not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(ch):
             bad = f"label {label!r} must be an index into its {len(ch)} choices"
     elif kind == "cloze":
