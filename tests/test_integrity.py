@@ -558,10 +558,11 @@ def test_preprocessing_skips_non_text_refuses_bad_bytes_and_warns(tmp_path, caps
 # -- 6. non-finite streaks ---------------------------------------------------------------------------------------
 def test_no_checkpoint_is_saved_inside_a_non_finite_streak(trained, tmp_path, cache_dir):
     run_dir = _copy_run(trained, tmp_path)
-    out = run_cli(_args(cache_dir, run_dir, 8, "--optim.lr", "1e30", "--optim.min_lr", "0",
-                        "--train.max_skipped_steps", "10"))
+    # the weights x 1e30 after step 5's backward (tests/fault_drill.py; the config refuses a learning rate that
+    # would do it): step 5 itself is finite, its update leaves weights that overflow steps 6-8
+    out = run_cli(["tests/fault_drill.py", "0", "5", "w1e30", *_args(cache_dir, run_dir, 8,
+                                                                    "--train.max_skipped_steps", "10")[1:]])
     assert out.returncode == 0, out.stderr[-3000:]
-    # Step 5 itself is finite (its update with lr 1e30 is what breaks the weights); steps 6-8 are not.
     assert out.stdout.count("optimizer step skipped") == 3
     latest = checkpoint_dir(run_dir, 4)
     for step, streak in ((6, 1), (8, 3)):
