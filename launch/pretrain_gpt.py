@@ -192,13 +192,15 @@ def main(cfg: Config, hooks=()) -> TrainResult:
         shutdown()
 
 
-def cli(argv: list[str]) -> int:
+def cli(argv: list[str], hooks=()) -> int:
+    """The command: its exit status (0 done, 2 a user's mistake, 3 diverged or past the spike limit, ...); hooks as
+    main() takes them (tests/fault_drill.py)."""
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
     try:
         cfg = load_config(argv)
-        result = main(cfg)
+        result = main(cfg, hooks=hooks)
     except (TrainingDiverged, SpikeLimit) as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

@@ -13,7 +13,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 import pretrain_gpt  # noqa: E402
-from hybridpar.config.cli import load_config  # noqa: E402
 
 
 class Fault:
@@ -41,4 +40,4 @@ class Fault:
 if __name__ == "__main__":
     rank, step, factor = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     fault = Fault(rank, step, float(factor.lstrip("w")), weights=factor.startswith("w"))
-    pretrain_gpt.main(load_config(sys.argv[4:]), hooks=[fault])
+    sys.exit(pretrain_gpt.cli(sys.argv[4:], hooks=[fault]))

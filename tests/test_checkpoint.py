@@ -247,12 +247,15 @@ def test_second_signal_aborts_and_keeps_the_last_checkpoint(tmp_path, cache_dir)
 # Muon with the fused AdamW beside it (CUDA's default) skips on the device: the optimizer reads found_inf.
 @pytest.mark.parametrize("optim", [[], ["--optim.name", "muon", "--optim.fused", "true"]], ids=["adamw", "muon-fused"])
 def test_non_finite_steps_are_skipped_then_stop_the_run(optim, tmp_path, cache_dir):
-    out = run_cli(_args(cache_dir, tmp_path / "nan", *optim, "--optim.lr", "1e30", "--optim.min_lr", "0",
-                        "--optim.warmup_steps", "0", "--train.max_skipped_steps", "2", "--checkpoint.interval", "1"))
+    # the weights x 1e30 after step 1's backward (tests/fault_drill.py: what a learning rate of 1e30 did before the
+    # config refused one), so step 1's update leaves weights that overflow every later forward
+    out = run_cli(["tests/fault_drill.py", "0", "1", "w1e30",
+                   *_args(cache_dir, tmp_path / "nan", *optim, "--optim.warmup_steps", "0",
+                          "--train.max_skipped_steps", "2", "--checkpoint.interval", "1")[1:]])
     assert out.returncode == 3, out.stderr[-3000:]
     assert "optimizer step skipped (1 in a row" in out.stdout
     assert out.stderr.strip().splitlines()[-1].startswith("error: 3 non-finite steps in a row")
-    # Step 1 is finite (it is the update with lr 1e30 that breaks the weights): its checkpoint is the last good one,
+    # Step 1 is finite (its update of the broken weights is what overflows): its checkpoint is the last good one,
     # and nothing was saved inside the streak that followed.
     assert latest_checkpoint(tmp_path / "nan") == checkpoint_dir(tmp_path / "nan", 1)
     assert "not saving a checkpoint at step 2: 1 non-finite step(s) in a row" in out.stdout
