@@ -54,3 +54,14 @@ def resolve_load_path(path: str) -> Path:
                               f"off); load the previous checkpoint of that run instead")
     raise CheckpointError(f"checkpoint.load={path!r} is neither a complete checkpoint nor a run directory holding "
                           f"one; give <run.dir>/checkpoints/step_XXXXXXXX or <run.dir>")
+
+
+def regular_file_of(src_dir: Path, name: str) -> Path:
+    """src_dir/name when it is a regular file, or a symlink to one inside src_dir; a link out of it (a crafted
+    checkpoint pointing at a secret) or a non-file is a one-line CheckpointError. Check before writing anything."""
+    src = Path(src_dir) / name
+    real = src.resolve()
+    if not real.is_file() or (src.is_symlink() and not real.is_relative_to(Path(src_dir).resolve())):
+        raise CheckpointError(f"{src} is not a regular file of {src_dir} (a link out of it, or not a file); "
+                              f"replace it with the file itself")
+    return real

@@ -52,7 +52,7 @@ def source_tokenizer(src: Source, spec: str | None = None):
 
     if spec:
         return load_tokenizer(spec)
-    from hybridpar.interop.hf import regular_file_of
+    from hybridpar.checkpoint.layout import regular_file_of
 
     for name, kind in (("tokenizer.json", "bpe"), ("tokenizer.model", "sentencepiece")):
         if (src.path / name).exists() or (src.path / name).is_symlink():  # never through a link out of it

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridpar.checkpoint.layout import regular_file_of  # noqa: F401  (re-exported: the converters use it)
 from hybridpar.errors import CheckpointError
 from hybridpar.models import ModelConfig, build_model, named_like_its_preset
 
@@ -30,17 +31,6 @@ LLAMA_KEYS = dict(norm="rmsnorm", position="rope", mlp="swiglu", bias=False)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer.txt")  # what hybridpar's tokenizers save
-
-
-def regular_file_of(src_dir: Path, name: str) -> Path:
-    """src_dir/name when it is a regular file, or a symlink to one inside src_dir; a link out of it (a crafted
-    checkpoint pointing at a secret) or a non-file is a one-line CheckpointError. Check before writing anything."""
-    src = Path(src_dir) / name
-    real = src.resolve()
-    if not real.is_file() or (src.is_symlink() and not real.is_relative_to(Path(src_dir).resolve())):
-        raise CheckpointError(f"{src} is not a regular file of {src_dir} (a link out of it, or not a file); "
-                              f"replace it with the file itself")
-    return real
 
 
 def family(cfg: ModelConfig) -> str:
