@@ -84,15 +84,15 @@ def _our_metas(ckpt: Path) -> dict:
 
 
 def to_hf_cmd(a) -> str:
-    from hybridpar.interop.hf import (TOKENIZER_FILES, export_hf_tokenizer, family, hf_export_plan, regular_file_of,
+    from hybridpar.checkpoint.layout import optional_file_of
+    from hybridpar.interop.hf import (TOKENIZER_FILES, export_hf_tokenizer, family, hf_export_plan,
                                       write_safetensors_streaming)
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt).model
     family(cfg)  # fails before any heavy work for an architecture HF has no class for
     for name in TOKENIZER_FILES:  # each a regular file of the checkpoint, never a link out of it: checked first
-        if (ckpt / name).exists() or (ckpt / name).is_symlink():
-            regular_file_of(ckpt, name)
+        optional_file_of(ckpt, name)
     hf_cfg, metas, sources = hf_export_plan(cfg, _our_metas(ckpt))
 
     def load_one(name):  # one of their tensors, from the one to three of ours it is made of
@@ -116,7 +116,8 @@ def to_hf_cmd(a) -> str:
 
 def from_hf_cmd(a) -> str:
     from hybridpar.config import Config, TrainConfig
-    from hybridpar.interop.hf import from_hf, regular_file_of
+    from hybridpar.checkpoint.layout import regular_file_of
+    from hybridpar.interop.hf import from_hf
 
     if not (a.hf / "config.json").is_file():
         raise CheckpointError(f"--hf {a.hf} has no config.json; give a transformers model folder")
@@ -177,13 +178,14 @@ def _step_or_zero(ckpt: Path) -> int:
 
 
 def to_torch_cmd(a) -> str:
-    from hybridpar.interop.hf import TOKENIZER_FILES, regular_file_of, write_safetensors_streaming
+    from hybridpar.checkpoint.layout import optional_file_of, regular_file_of
+    from hybridpar.interop.hf import TOKENIZER_FILES, write_safetensors_streaming
 
     ckpt = resolve_load_path(a.checkpoint)
     cfg = _config(ckpt).model
     # Only the files a checkpoint holds by name, each a regular file of it (never through a link out of it).
-    extras = {name: regular_file_of(ckpt, name) for name in ("config.yaml", *TOKENIZER_FILES)
-              if name == "config.yaml" or (ckpt / name).exists() or (ckpt / name).is_symlink()}
+    extras = {"config.yaml": regular_file_of(ckpt, "config.yaml")}
+    extras.update((name, f) for name in TOKENIZER_FILES if (f := optional_file_of(ckpt, name)) is not None)
     metas = _our_metas(ckpt)
     if cfg.tie_embeddings:
         metas.pop("lm_head.weight", None)

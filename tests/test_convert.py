@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import run_cli
+from conftest import launcher, run_cli
 from hybridpar.checkpoint.dcp import load_full_model_state
 from hybridpar.checkpoint.layout import MARKER
 from hybridpar.config import Config, TrainConfig
@@ -114,7 +114,7 @@ def test_conversion_errors(tmp_path):
     assert out.returncode == 2 and "neither a complete checkpoint nor a run directory" in out.stderr
 
 
-def test_no_export_follows_a_link_out_of_its_source(tmp_path):
+def test_no_export_follows_a_link_out_of_its_source(tmp_path, capsys):
     """A checkpoint's tokenizer.json (or an HF folder's) that links to a file outside it is refused in one line and
     nothing is written: it was copied, and a link to a local secret landed in the export."""
     secret = tmp_path / "secret.txt"
@@ -125,9 +125,11 @@ def test_no_export_follows_a_link_out_of_its_source(tmp_path):
                    str(tmp_path / "pt")])
     assert out.returncode == 2 and "tokenizer.json is not a regular file of" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "pt").exists()
-    out = run_cli(["launch/convert_checkpoint.py", "to-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "h")])
-    assert out.returncode == 2 and "tokenizer.json is not a regular file of" in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr and not (tmp_path / "h").exists()
+    capsys.readouterr()
+    code = launcher("convert_checkpoint").cli(["to-hf", "--checkpoint", str(ckpt), "--out", str(tmp_path / "h")])
+    err = capsys.readouterr().err  # (in this process: the refusal is the converter's, not the interpreter's)
+    assert code == 2 and "tokenizer.json is not a regular file of" in err, err
+    assert "Traceback" not in err and not (tmp_path / "h").exists()
     from hybridpar.errors import CheckpointError
     from hybridpar.inference.load import find_source, source_tokenizer
 

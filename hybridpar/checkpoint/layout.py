@@ -65,3 +65,9 @@ def regular_file_of(src_dir: Path, name: str) -> Path:
         raise CheckpointError(f"{src} is not a regular file of {src_dir} (a link out of it, or not a file); "
                               f"replace it with the file itself")
     return real
+
+
+def optional_file_of(src_dir: Path, name: str) -> Path | None:
+    """regular_file_of(src_dir, name) when src_dir holds that name (a link too, even a broken one); else None."""
+    src = Path(src_dir) / name
+    return regular_file_of(src_dir, name) if src.exists() or src.is_symlink() else None

@@ -41,7 +41,7 @@ def npy_header(path: Path) -> tuple[np.dtype, tuple[int, ...], int]:
         with open(path, "rb") as f:
             version = np.lib.format.read_magic(f)
             read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}[version]
-            shape, fortran, dtype = read(f)
+            shape, _, dtype = read(f)  # (shape, fortran order, dtype)
             return dtype, tuple(shape), f.tell()
     except (ValueError, KeyError, OSError, SyntaxError) as e:
         raise DataError(f"index cache {path} is not an .npy array ({str(e) or type(e).__name__}): {FIX}") \

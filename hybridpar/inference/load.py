@@ -52,11 +52,12 @@ def source_tokenizer(src: Source, spec: str | None = None):
 
     if spec:
         return load_tokenizer(spec)
-    from hybridpar.checkpoint.layout import regular_file_of
+    from hybridpar.checkpoint.layout import optional_file_of
 
     for name, kind in (("tokenizer.json", "bpe"), ("tokenizer.model", "sentencepiece")):
-        if (src.path / name).exists() or (src.path / name).is_symlink():  # never through a link out of it
-            return load_tokenizer(f"{kind}:{regular_file_of(src.path, name)}")
+        path = optional_file_of(src.path, name)  # never through a link out of the checkpoint
+        if path is not None:
+            return load_tokenizer(f"{kind}:{path}")
     if (src.path / "tokenizer.txt").is_file():
         return load_tokenizer("bytes")
     saved = (src.saved.get("data") or {}).get("tokenizer", "")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridpar.checkpoint.layout import regular_file_of  # noqa: F401  (re-exported: the converters use it)
+from hybridpar.checkpoint.layout import regular_file_of
 from hybridpar.errors import CheckpointError
 from hybridpar.models import ModelConfig, build_model, named_like_its_preset
 
