@@ -250,3 +250,28 @@ def test_rerun_tells_a_fault_from_the_data_and_names_the_rank(rerun, poisoned, t
     _run([*flags, "--data.skip_batches", "20-22"], b, nproc=2)
     _assert_same_run(a, b, 0)
     assert [r for r in metrics_rows(b) if "fault" in r or "rewind" in r] == []
+
+
+@pytest.mark.multiprocess
+def test_a_rewind_on_two_data_parallel_ranks_after_a_validation(poisoned, tmp_path):
+    """FSDP's root keeps its parameters gathered after a forward; validation at the spiking step (no backward after
+    it) left them gathered, and the host copy, read through the module, saw other tensors than those it took
+    (a RuntimeError on 2 ranks). The rewind from host memory, the one from disk and the resume from the same
+    checkpoint with the batches skipped by hand train the same steps, bitwise."""
+    args = [*poisoned, "--train.eval_interval", "2"]  # validation at step 22, the spike's
+    runs = {}
+    for name, extra in (("memory", []), ("disk", ["--spike.keep_in_memory", "0"])):
+        _run([*args, *extra], tmp_path / name, nproc=2)
+        runs[name] = tmp_path / name
+    assert _rewinds(runs["memory"]) == [(POISONED, 18, "20-22", 3 * G, "host memory")]
+    assert _rewinds(runs["disk"]) == [(POISONED, 18, "20-22", 3 * G, "disk")]
+    (tmp_path / "copy").mkdir()
+    start = shutil.copytree(checkpoint_dir(runs["memory"], 18), tmp_path / "copy" / "step_00000018")
+    by_hand = tmp_path / "by-hand"
+    _run([*args, "--checkpoint.load", str(start), "--data.skip_batches", "20-22"], by_hand, nproc=2)
+    _assert_same_run(runs["memory"], runs["disk"], 0)
+    _assert_same_run(runs["memory"], by_hand, 18)
+    # the two-rank run's validation losses after the rewind are those of the resume, bitwise
+    val = {n: {r["step"]: r["val_loss"] for r in metrics_rows(d) if "val_loss" in r and r["step"] > 18}
+           for n, d in (("memory", runs["memory"]), ("by_hand", by_hand))}
+    assert val["memory"] == val["by_hand"] and len(val["memory"]) == 5

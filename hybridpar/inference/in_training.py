@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from hybridpar.inference.evaluate import Scorer, metrics_row, run_task, summary
 from hybridpar.inference.generate import Sampling, generate
@@ -16,13 +17,25 @@ from hybridpar.training.microbatch import IGNORE_INDEX
 class Evaluation:
     """The Trainer's evaluations (its model, mesh, data.valid, tasks, log and stop vote)."""
 
+    @contextmanager
     def _eager(self):
         """Validation and sampling run the compiled blocks eagerly: under no_grad, and with the sample's growing
         lengths, each would compile them again (three compilations of every block instead of one). With float8
-        all-gathers the weights' scales are computed first: the last optimizer step changed the weights."""
+        all-gathers the weights' scales are computed first: the last optimizer step changed the weights.
+
+        On the way out every FSDP module is resharded. The root keeps its parameters gathered after a forward (its
+        backward follows at once in training); with no backward after an evaluation they would stay gathered, and
+        the model's parameters would be those gathered copies, not the shards the optimizer, a checkpoint, a
+        rewind's host copy and a restore read and write: outside a step the model is always sharded."""
         if self.fp8_scales is not None:
             self.fp8_scales()
-        return torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext()
+        try:
+            with torch.compiler.set_stance("force_eager") if self.cfg.train.compile else nullcontext():
+                yield
+        finally:
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:

@@ -85,10 +85,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _live_tensors(model, optimizer) -> list[tuple[str, torch.Tensor]]:
-    """This rank's parameter shards and optimizer state tensors, named by position, in a fixed order."""
+def _live_tensors(optimizer) -> list[tuple[str, torch.Tensor]]:
+    """This rank's parameter shards and optimizer state tensors, named by position, in a fixed order. The
+    parameters are the optimizer's: the shards it steps (a module's own may be gathered copies for a while)."""
     out = []
-    for i, p in enumerate(model.parameters()):
+    for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
         out.append((f"param{i}", local_tensor(p)))
         for k, v in sorted(optimizer.state.get(p, {}).items()):
             if isinstance(v, torch.Tensor):
@@ -109,7 +110,7 @@ class HostCopies:
         if not self.keep:
             return
         tensors = {name: t.detach().to("cpu", copy=True) for name, t in
-                   _live_tensors(trainer.model, trainer.optimizer)}
+                   _live_tensors(trainer.optimizer)}
         self.copies[step] = (tensors, trainer.state_dict())
         while len(self.copies) > self.keep:
             self.copies.popitem(last=False)
@@ -125,7 +126,7 @@ class HostCopies:
         tensors, state = self.copies[step]
         if not any("." in name for name in tensors):  # taken before the first optimizer step: a fresh optimizer
             trainer.optimizer.state.clear()
-        live = _live_tensors(trainer.model, trainer.optimizer)
+        live = _live_tensors(trainer.optimizer)
         if [n for n, _ in live] != list(tensors):
             raise RuntimeError(f"host copy of step {step}: the optimizer state's layout changed since it was taken")
         with torch.no_grad():
