@@ -1,6 +1,9 @@
 """The errors a user causes (a config value, a file, a busy run dir). The launchers print these as one line naming
 the value and the fix, and exit 2; every other exception is an internal error and keeps its traceback."""
 
+import errno
+import os
+
 
 class UserError(ValueError):
     """Base of every user-caused error."""
@@ -25,3 +28,15 @@ class RunDirError(UserError):
 def first_line(e: BaseException, limit: int = 200) -> str:
     """The first non-empty line of an exception's message (its type name when it has none), for one-line errors."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
+def write_refused(e: OSError, what, fix: str, paths=()) -> "UserError | None":
+    """A file system's refusal of a write (full, over quota, read-only; no permission on one of `paths`, the outputs)
+    as a one-line error about writing `what`; None for any other OSError (an internal error: it keeps its
+    traceback). A read's EACCES on an input is not a write's."""
+    denied = e.errno == errno.EACCES and e.filename is not None and any(
+        str(e.filename).startswith(str(p)) for p in paths)
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) and not denied:
+        return None
+    reason = "no space left on device" if e.errno in (errno.ENOSPC, errno.EDQUOT) else os.strerror(e.errno).lower()
+    return UserError(f"writing {what}: {reason}; {fix}")

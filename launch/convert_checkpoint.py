@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +34,7 @@ from typing import Literal, Optional
 from hybridpar.checkpoint.dcp import CheckpointError, check_config_matches_tensors, load_full_model_state
 from hybridpar.checkpoint.layout import MARKER, resolve_load_path
 from hybridpar.config.cli import parse_command
-from hybridpar.errors import ConfigError, UserError
+from hybridpar.errors import ConfigError, UserError, write_refused
 from hybridpar.models.config import doc, doc_required
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config
 from hybridpar.checkpoint.safe_load import read_metadata
@@ -236,18 +238,49 @@ def _parse(argv: list[str]):
     return SimpleNamespace(**{**vars(a), **paths, "cmd": a.command})
 
 
+def _partial_dir(final: Path) -> Path:
+    """Where a conversion to `final` writes until it is published whole: named by host and process, so a later
+    conversion can tell a killed one's leftovers (that process is gone) from one still running."""
+    return final.with_name(f".{final.name}.partial-{socket.gethostname()}-{os.getpid()}")
+
+
+def _remove_stale_partials(final: Path) -> None:
+    """The .partial directories of conversions to `final` on this host whose process has exited (killed: SIGKILL
+    runs no cleanup); those of other hosts (a shared file system) are left to them."""
+    prefix = f".{final.name}.partial-{socket.gethostname()}-"
+    for old in final.parent.glob(f".{final.name}.partial-*"):
+        pid = old.name[len(prefix):] if old.name.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # still running
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # another user's live process
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+        print(f"removed {old}, left by a converter that is no longer running", file=sys.stderr)
+
+
 def cli(argv: list[str]) -> int:
+    a = None
+    # SIGTERM (a job's time limit, a scancel) unwinds like an exception, so the .partial directory is removed.
+    previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     try:
         a = _parse(argv)
         if a is None:
             return 0
         final = a.out
         _check_out(final, a.overwrite)
-        a.out = final.with_name(f".{final.name}.partial-{os.getpid()}")  # published whole, or not at all
+        _remove_stale_partials(final)
+        a.out = _partial_dir(final)  # published whole, or not at all
         try:
             message = {"to-hf": to_hf_cmd, "from-hf": from_hf_cmd, "to-torch": to_torch_cmd,
                        "from-megatron": from_megatron_cmd, "to-megatron": to_megatron_cmd}[a.cmd](a)
             _publish(a.out, final)
+        except OSError as e:  # a full or read-only file system: one line (nothing is left: see finally)
+            raise write_refused(e, final, "free space there or pass another --out", paths=[a.out, final]) or e
         finally:
             shutil.rmtree(a.out, ignore_errors=True)
         message = message.replace(str(a.out), str(final))
@@ -257,6 +290,8 @@ def cli(argv: list[str]) -> int:
     except UserError as e:  # user-caused: one line; anything else keeps its traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(message)
     return 0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from hybridpar.data.indexed import DataError, bin_path, idx_path
 from hybridpar.data.preprocess import MAX_DOCUMENT_MB, InputStats, iter_documents, preprocess
 from hybridpar.data.tokenizer import load_tokenizer
-from hybridpar.errors import UserError
+from hybridpar.errors import UserError, write_refused
 
 
 def cli(argv: list[str]) -> int:
@@ -67,6 +67,13 @@ def cli(argv: list[str]) -> int:
                              progress=True, tokenizer=tokenizer)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full or read-only output file system: one line (the writer removed its files)
+        refused = write_refused(e, f"{a.output_prefix}.bin/.idx", "free space there or pass another --output-prefix",
+                                paths=[a.output_prefix])
+        if refused is None:
+            raise
+        print(f"error: {refused}", file=sys.stderr)
         return 2
     if stats.skipped:
         print(f"warning: {stats.line()} (pass --strict to refuse them)", file=sys.stderr)

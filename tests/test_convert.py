@@ -213,3 +213,44 @@ def test_exports_check_config_yaml_against_the_tensors(tmp_path, capsys):
             err = capsys.readouterr().err
             assert message in err and err.count("\n") == 1, err
             assert not (tmp_path / cmd).exists()
+
+
+def test_full_disks_and_killed_writers_leave_nothing(tmp_path):
+    """Writers onto a full file system (a real 64 KiB tmpfs in a mount namespace of this test's own): to-torch (the
+    weights are ~150 KiB) and preprocess_data.py (a 200 KiB corpus) each end in one line and exit 2, leaving neither
+    their output nor a temporary file there (out.bin.tmp and a traceback before). A converter killed with -9 left its
+    .partial directory: the next conversion to that name removes it."""
+    _, ckpt = _checkpoint(tmp_path, "gpt2")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"line {i} of a corpus larger than the disk\n" for i in range(5000)))
+    full = tmp_path / "full"
+    full.mkdir()
+    py = f"{__import__('sys').executable}"
+    script = (f"mount -t tmpfs -o size=64k tmpfs {full} || exit 9; "
+              f"{py} launch/convert_checkpoint.py to-torch --checkpoint {ckpt} --out {full}/pt; echo rc=$?; "
+              f"{py} launch/preprocess_data.py --input {corpus} --tokenizer bytes --output-prefix {full}/data/c; "
+              f"echo rc=$?; ls -AR {full}")
+    out = run_cli(["-c", f"import subprocess, sys; sys.exit(subprocess.call(['unshare', '--mount', "
+                         f"'--propagation', 'private', 'sh', '-c', {script!r}]))"])
+    assert out.returncode == 0 and out.stdout.count("rc=2") == 2, (out.stdout, out.stderr)
+    listing = out.stdout.split("rc=2")[-1].split()
+    assert listing in ([f"{full}:", "data", f"{full}/data:"], [f"{full}:"]), out.stdout  # nothing else left
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 2 and "Traceback" not in out.stderr, out.stderr
+    assert errors[0] == f"error: writing {full}/pt: no space left on device; free space there or pass another --out"
+    assert errors[1] == (f"error: writing {full}/data/c.bin/.idx: no space left on device; free space there or pass "
+                         f"another --output-prefix")
+    # a converter killed mid-write (its .partial directory, named by a process that has exited) and one still
+    # running (this process's pid): the first is removed by the next conversion, the second left alone
+    import subprocess
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = __import__("socket").gethostname()
+    stale, live = tmp_path / f".pt.partial-{host}-{dead.pid}", tmp_path / f".pt.partial-{host}-{os.getpid()}"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "model.safetensors.tmp").write_bytes(b"\0" * 100)
+    out = run_cli(["launch/convert_checkpoint.py", "to-torch", "--checkpoint", str(ckpt), "--out",
+                   str(tmp_path / "pt")])
+    assert out.returncode == 0 and not stale.exists() and live.exists(), out.stderr
+    assert f"removed {stale}, left by a converter that is no longer running" in out.stderr

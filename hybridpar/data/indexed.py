@@ -92,12 +92,23 @@ class IndexedWriter:
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.finalize()
-        else:  # leave nothing behind
+    def discard(self) -> None:
+        """Remove the temporary files; the real names are untouched."""
+        try:
             self._bin.close()
-            Path(f"{self.prefix}.bin.tmp").unlink(missing_ok=True)
+        except OSError:  # a full disk refuses the buffered tail as well
+            pass
+        for suffix in (".bin.tmp", ".idx.tmp"):
+            Path(f"{self.prefix}{suffix}").unlink(missing_ok=True)
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is not None:  # leave nothing behind
+            return self.discard()
+        try:
+            self.finalize()
+        except BaseException:  # a full disk while the index is written, say
+            self.discard()
+            raise
 
 
 class IndexedTokens:
