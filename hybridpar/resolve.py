@@ -171,14 +171,23 @@ SAMPLE_INDEX_BYTES, SAMPLE_INDEX_LIMIT = 12, 8 * 2**30
 
 
 def check_sample_count(cfg: Config) -> None:
-    t = cfg.train
-    samples = train_batches(cfg) * t.global_batch_size
-    if samples * SAMPLE_INDEX_BYTES > SAMPLE_INDEX_LIMIT:
-        most = SAMPLE_INDEX_LIMIT // SAMPLE_INDEX_BYTES // t.global_batch_size
-        raise ConfigError(f"train.steps={t.steps} x train.global_batch_size={t.global_batch_size} = {samples:,} "
-                          f"samples, whose index would take {samples * SAMPLE_INDEX_BYTES / 2**30:,.1f} GiB of every "
-                          f"rank's memory (at most {SAMPLE_INDEX_LIMIT / 2**30:.0f} GiB); use --train.steps {most} "
-                          f"or fewer")
+    """The train split's sample count (train.steps and the batches rewinds may skip, times the global batch) against
+    what its index may take; the refusal names the setting that made it large."""
+    t, s = cfg.train, cfg.spike
+    batches = train_batches(cfg)
+    samples = batches * t.global_batch_size
+    if samples * SAMPLE_INDEX_BYTES <= SAMPLE_INDEX_LIMIT:
+        return
+    most = SAMPLE_INDEX_LIMIT // SAMPLE_INDEX_BYTES // t.global_batch_size
+    reserve = batches - t.steps
+    what = (f"train.steps={t.steps} + spike.max_rewinds={s.max_rewinds} x spike.skip={s.skip} (the batches rewinds "
+            f"may skip)" if reserve else f"train.steps={t.steps}")
+    fix = (f"lower spike.max_rewinds x spike.skip to {most - t.steps} or less" if reserve > t.steps and most > t.steps
+           else f"use --train.steps {most - reserve} or fewer" if most > reserve
+           else "lower spike.max_rewinds x spike.skip and train.steps")
+    raise ConfigError(f"{what} = {batches:,} batches x train.global_batch_size={t.global_batch_size} = {samples:,} "
+                      f"samples, whose index would take {samples * SAMPLE_INDEX_BYTES / 2**30:,.1f} GiB of every "
+                      f"rank's memory (at most {SAMPLE_INDEX_LIMIT / 2**30:.0f} GiB); {fix}")
 
 
 def _stage_plan(cfg: Config, tp: int) -> StagePlan | None:

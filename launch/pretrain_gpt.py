@@ -199,7 +199,11 @@ def cli(argv: list[str], hooks=()) -> int:
         print(help_text())
         return 0
     try:
-        cfg = load_config(argv)
+        try:
+            cfg = load_config(argv)
+        except UserError as e:
+            e.on_every_rank = True  # every rank parses the same command line (torchrun and srun pass it to all)
+            raise
         result = main(cfg, hooks=hooks)
     except (TrainingDiverged, SpikeLimit) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -226,3 +226,38 @@ def test_planner_muon_figures_equal_the_dry_run(model, nodes, layout, rank, dist
     # gather: all 112; owner: matrices 8, 40, 72, 104 = (block 1, wk), (5, up), (10, wv), (14, down)
     assert r["muon_ns_flops"] == (16 * sum(flops) if distribution == "gather" else
                                   flops[1] + flops[5] + flops[2] + flops[6])
+
+
+@pytest.mark.multiprocess
+def test_muon_lr_moves_exactly_the_hidden_matrices_under_ac_and_compile(tmp_path, cache_dir):
+    """Through the launcher with activation checkpointing (full) and torch.compile, whose wrappers rename every
+    parameter (the shipped 1.3B+ configs turn AC on): one step from the same seed checkpoint with optim.muon_lr 0.02
+    and 0.04 (optim.lr 0.001 in both). Muon's update, decay included, is proportional to its lr, so each hidden
+    matrix (by hand: wq, wk, wv, wo, up, down of both layers, 12 tensors) moves exactly twice as far; every other
+    tensor, AdamW's at optim.lr, moves bitwise the same. Matrices left to AdamW, or Muon at optim.lr, fail this."""
+    from conftest import run_cli
+    from hybridpar.checkpoint.dcp import load_full_model_state
+    from hybridpar.checkpoint.layout import checkpoint_dir
+
+    base = [*COMMON, "--optim.lr", "0.001", "--optim.warmup_steps", "0", "--data.cache_dir", str(cache_dir),
+            "--train.activation_checkpointing", "full", "--train.compile", "true", "--checkpoint.interval", "1"]
+    seed = tmp_path / "seed"
+    out = run_cli(["launch/pretrain_gpt.py", *base, "--train.steps", "0", "--run.dir", str(seed)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    moved = {}
+    for muon_lr in ("0.02", "0.04"):
+        d = tmp_path / muon_lr
+        out = run_cli(["launch/pretrain_gpt.py", *base, "--train.steps", "1", "--optim.muon_lr", muon_lr,
+                       "--checkpoint.load", str(checkpoint_dir(seed, 0)), "--run.dir", str(d)])
+        assert out.returncode == 0, out.stderr[-3000:]
+        moved[muon_lr] = load_full_model_state(checkpoint_dir(d, 1))
+    w0 = load_full_model_state(checkpoint_dir(seed, 0))
+    hidden = {f"layers.{i}.{m}.weight" for i in (0, 1) for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.up",
+                                                                "mlp.down")}
+    assert hidden <= set(w0)
+    for name, w in w0.items():
+        a, b = moved["0.02"][name] - w, moved["0.04"][name] - w
+        if name in hidden:
+            assert float((b - 2 * a).norm() / b.norm()) < 1e-4 and float(a.norm()) > 0, name
+        else:
+            assert torch.equal(a, b) and float(a.norm()) > 0, name

@@ -157,10 +157,18 @@ def test_a_sample_count_the_data_layer_cannot_index_is_refused_at_once(tmp_path,
     for steps in ("99999999999999999999", "100000000"):
         cfg = load_config(["--data.cache_dir", str(cache_dir), "--train.steps", steps, "--run.dir",
                            str(tmp_path / "run")])
-        with pytest.raises(ConfigError, match=r"samples, whose index would take .* GiB of every rank's memory \(at "
-                                              r"most 8 GiB\); use --train.steps 22369621 or fewer"):
+        with pytest.raises(ConfigError, match=rf"^train.steps={steps} = .* samples, whose index would take .* GiB of "
+                                              r"every rank's memory \(at most 8 GiB\); use --train.steps 22369621 or "
+                                              r"fewer$"):
             resolve(cfg, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
         assert not (tmp_path / "run").exists()
+    # huge rewind settings (spike.skip) are what is named, not train.steps: 100 steps + 3 x 10^8 batches
+    rewinds = ["--train.spike", "rewind", "--checkpoint.interval", "10", "--spike.skip", "100000000"]
+    cfg = load_config(["--data.cache_dir", str(cache_dir), "--train.steps", "100", *rewinds])
+    with pytest.raises(ConfigError, match=r"^train.steps=100 \+ spike.max_rewinds=3 x spike.skip=100000000 \(the "
+                                          r"batches rewinds may skip\) = 300,000,100 batches x .*; lower "
+                                          r"spike.max_rewinds x spike.skip to 22369521 or less$"):
+        resolve(cfg, WorldInfo(0, 1, 0, 1), CPU)
     ok = load_config(["--data.cache_dir", str(cache_dir), "--train.steps", "22369621"])
     assert resolve(ok, WorldInfo(0, 1, 0, 1), CPU).cfg.train.steps == 22369621
 

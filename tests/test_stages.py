@@ -317,6 +317,20 @@ def test_a_source_that_runs_out_stops_the_run_at_start_when_asked(tmp_path, caps
     err = capsys.readouterr().err
     assert f"data.stages read {code} (seq 32) past its one pass" in err and "--data.source_exhausted wrap" in err
     assert err.count("\n") == 1 and not run_dir.exists()
+    # wrapping, a run long enough to read code ~1,000 times over: refused at start (it built a pass each, 4 cache
+    # files and 5 open files apiece, and died of "Too many open files"); the count by hand from the pass size
+    per_pass = int(err.split("past its one pass (")[1].split(" train samples")[0].replace(",", ""))
+    steps = 2 + 1000 * per_pass // G  # web alone for 2 batches, then code alone
+    need = -(-(steps - 2) * G // per_pass)
+    cache_files = len(list((tmp_path / "cache").rglob("*")))
+    assert run.cli(_staged_args(tmp_path, run_dir, stages, "--train.steps", str(steps))[1:]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: data.stages: {steps:,} batches read {code} (seq 32) {need:,} times over "
+                          f"({(steps - 2) * G:,} samples drawn, {per_pass:,} a pass), {need + 1:,} passes in all, "
+                          f"each built at start (at most "), err
+    assert "add data to it, lower its weight, or train fewer steps (the other streams need 1)" in err
+    assert err.count("\n") == 1 and not run_dir.exists()
+    assert len(list((tmp_path / "cache").rglob("*"))) == cache_files  # no pass built beyond the first ones
 
 
 def test_the_planner_plans_the_longest_stage():
@@ -332,3 +346,42 @@ def test_the_planner_plans_the_longest_stage():
     assert (plain.train.seq_len, plain.train.micro_batch_size) == (2048, 4)
     with pytest.raises(ConfigError, match=r"data.stages: seq 8192 exceeds model.max_seq_len=4096"):
         plan.parse(base + ["--data.stages", "0: /data/web,1000 seq 8192: /data/code"])
+
+
+def test_the_validation_loss_over_sources_is_token_weighted_by_hand():
+    """Evaluation.evaluate over two sources whose targets count unequally (12 of code's 16 are ignored): val_loss is
+    the token-weighted mean (a run's sources count alike, so the staged run above cannot tell it from the mean of
+    the two), each source's its own mean. The per-token losses by hand: web's logits are flat over 4 entries (ln 4),
+    code's put 2.0 on the target (ln(e^2 + 3) - 2)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from hybridpar.inference.in_training import Evaluation
+    from hybridpar.training.microbatch import IGNORE_INDEX, logits_loss
+
+    class Logits(torch.nn.Module):  # token 0 -> flat logits, token 1 -> 2.0 on entry 0
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(2, 4)
+            with torch.no_grad():
+                self.table.weight.copy_(torch.tensor([[0.0, 0, 0, 0], [2.0, 0, 0, 0]]))
+
+        def forward(self, x):
+            return self.table(x)
+
+    web = (torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    code_y = torch.full((2, 8), IGNORE_INDEX)
+    code_y[0, :4] = 0
+    code = (torch.ones(2, 8, dtype=torch.long), code_y)
+    ev = Evaluation()
+    ev.fp8_scales, ev.cfg, ev.model, ev.device = None, SimpleNamespace(train=SimpleNamespace(compile=False)), \
+        Logits(), torch.device("cpu")
+    ev.data = SimpleNamespace(valid_sources={"web": [web], "code": [code]}, valid=[web, code])
+    ev.stop_voted, ev._stop_vote, ev._dp_sum = False, lambda: torch.tensor(0), lambda t: t
+    ev.loss_context, ev.autocast, ev.forward_loss = nullcontext, nullcontext, logits_loss
+    got = ev.evaluate()
+    web_loss, code_loss = math.log(4), math.log(math.exp(2) + 3) - 2
+    assert got["val_loss/web"] == pytest.approx(web_loss, rel=1e-6)
+    assert got["val_loss/code"] == pytest.approx(code_loss, rel=1e-6)
+    assert got["val_loss"] == pytest.approx((16 * web_loss + 4 * code_loss) / 20, rel=1e-6)
+    assert abs(got["val_loss"] - (web_loss + code_loss) / 2) > 0.1  # the unweighted mean is far off

@@ -177,6 +177,32 @@ def source_names(prefixes) -> list[str]:
     return [s if short.count(s) == 1 else p for s, p in zip(short, prefixes)]
 
 
+# Every pass of a stream is a megatron-core GPTDataset built at start: 4 cache files (document, sample and shuffle
+# index, description) and about 5 open files while the run lasts (the index memory maps and the source's .bin/.idx).
+# A 5M-step run over a small source wanted thousands and died of "Too many open files" after writing 26,707 files.
+MAX_PASSES, FILES_OPEN_PER_PASS, FILES_OPEN_OTHERWISE = 256, 5, 256
+
+
+def check_pass_count(streams, needs: list[int], per_pass: list[int], drawn: list[int], n_batches: int) -> None:
+    """Refuses a staged run whose streams need more passes than a process can hold open (RLIMIT_NOFILE) or than
+    MAX_PASSES, naming the stream that needs the most and what would bring the count down."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    fd_bound = (soft - FILES_OPEN_OTHERWISE) // FILES_OPEN_PER_PASS if soft != resource.RLIM_INFINITY else MAX_PASSES
+    most = max(1, min(MAX_PASSES, fd_bound))
+    if sum(needs) <= most:
+        return
+    s = max(range(len(needs)), key=needs.__getitem__)
+    (prefix, length), other = streams[s], sum(needs) - needs[s]
+    limit = (f"at most {most}: {FILES_OPEN_PER_PASS} open files a pass under this shell's `ulimit -n` {soft}"
+             if fd_bound < MAX_PASSES else f"at most {MAX_PASSES}")
+    raise DataError(f"data.stages: {n_batches:,} batches read {prefix} (seq {length}) {needs[s]:,} times over "
+                    f"({drawn[s]:,} samples drawn, {per_pass[s]:,} a pass), {sum(needs):,} passes in all, each built "
+                    f"at start ({limit}); add data to it, lower its weight, or train fewer steps"
+                    + (f" (the other streams need {other:,})" if other else ""))
+
+
 def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     """The data of a run with data.stages (hybridpar.data.stages): every source opened and checked once, each
     stream's first pass (and each source's validation samples, at train.seq_len) built, the draws of the whole run
@@ -194,15 +220,18 @@ def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     sampler = StageSampler(plan, t.seed, G)
     n_batches = train_batches(cfg)
     drawn = sampler.counts_before(n_batches)
+    needs = [-(-int(n) // len(passes[0])) for n, passes in zip(drawn, streams)]
     for s, ((prefix, length), passes) in enumerate(zip(plan.streams, streams)):
         per_pass = len(passes[0])
-        need = -(-int(drawn[s]) // per_pass)
-        if need > 1 and d.source_exhausted == "stop":
+        if needs[s] > 1 and d.source_exhausted == "stop":
             batch = next(b for b in range(n_batches + 1) if sampler.counts_before(b)[s] > per_pass)
             raise DataError(f"data.stages read {prefix} (seq {length}) past its one pass ({per_pass:,} train samples) "
                             f"at batch {batch} of {n_batches} ({int(drawn[s]):,} drawn in all); add data, lower its "
                             f"weight, or pass --data.source_exhausted wrap")
-        passes += build_passes(path[prefix], range(1, need), *split, length, t.seed, tokenizer, d.cache_path)[0]
+    check_pass_count(plan.streams, needs, [len(p[0]) for p in streams], [int(n) for n in drawn], n_batches)
+    for s, ((prefix, length), passes) in enumerate(zip(plan.streams, streams)):
+        passes += build_passes(path[prefix], range(1, needs[s]), *split, length, t.seed, tokenizer,
+                               d.cache_path)[0]
     names = source_names(plan.sources)
     dataset = StagedDataset(sampler, streams, n_batches * G, names, t.micro_batch_size, t.seq_len)
     train = GlobalBatchLoader(dataset, G, t.micro_batch_size, dp_rank, dp_size, vocab, "train",
