@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, loss_curve, run_cli, user_env
+from conftest import ROOT, loss_curve, metrics_rows, run_cli, user_env
 from hybridpar.checkpoint.dcp import load_full_model_state
 from hybridpar.checkpoint.layout import checkpoint_dir
 from hybridpar.config.cli import load_config
@@ -248,7 +248,7 @@ def test_the_fp8_gate_passes_for_the_small_models(tmp_path, cache_dir):
 def _args(tmp_path, run_dir, *extra):
     return ["launch/pretrain_gpt.py", *COMMON, "--train.fp8", "tensorwise", "--checkpoint.interval", "2",
             "--logging.interval", "1", "--data.cache_dir", str(tmp_path / "cache"), "--run.dir", str(run_dir),
-            "--parallel.dp_shard", "2", *extra]
+            "--parallel.dp_shard", "2", "--train.eval_interval", "4", "--train.eval_batches", "2", "--checkpoint.keep_last", "10", *extra]
 
 
 def _torchrun(args):
@@ -287,6 +287,15 @@ def test_fp8_with_float8_all_gathers_resumes_bitwise_and_exports_plain_weights(t
     assert sorted(exported) == sorted(n for n in state if n != "lm_head.weight")  # (tied: written once)
     for name, t in exported.items():
         assert type(t) is torch.Tensor and torch.equal(t, state[name]), name
+    # The validation after step 4's update ran with the weights' float8 scales computed again (they are precomputed
+    # once a step for the all-gathers, before the update): it equals the step-0 validation of a new run started from
+    # that checkpoint's weights, whose scales are computed fresh, bitwise. Stale scales moved it by ~1e-4.
+    fresh = tmp_path / "fresh"
+    out = run_cli(_torchrun(_args(tmp_path, fresh, "--checkpoint.load", str(checkpoint_dir(ref_dir, 4)),
+                                  "--checkpoint.load_weights_only", "true", "--train.steps", "1")))
+    assert out.returncode == 0, out.stderr[-3000:]
+    val = {d.name: {r["step"]: r["val_loss"] for r in metrics_rows(d) if "val_loss" in r} for d in (ref_dir, fresh)}
+    assert sorted(val["ref"]) == [0, 4, 8, 12] and val["fresh"][0] == val["ref"][4], val
 
 
 @pytest.mark.multiprocess

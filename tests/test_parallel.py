@@ -356,3 +356,33 @@ def test_ranks_with_different_configs_stop_with_one_line_before_writing(tmp_path
         assert err0.strip().splitlines() == [err0.strip()] and err0.startswith(message), err0
         assert err1.strip() == "", err1
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("unsharded", [True, False])
+def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unsharded, tmp_path, cache_dir):
+    """parallel.accumulate_unsharded, end to end: the profiler trace of step 2 of a real 2-rank run (dp_shard 2,
+    2 microbatches a rank) counts FSDP's collectives. By hand, for 3 FSDP modules (2 blocks resharded after forward,
+    the root kept): true reduce-scatters once a step (3) and gathers 3 + 3 + 1 = 7 times (a block: microbatch 1's
+    forward and backward, microbatch 2's backward; the root once); false reduce-scatters after each microbatch (6)
+    and gathers 4 + 4 + 2 = 10 times (every forward and backward of a block; the root each microbatch)."""
+    import collections
+    import json
+
+    run_dir = tmp_path / "run"
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py",
+                   "--train.steps", "3", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+                   "--train.seq_len", "32", "--model.n_layers", "2", "--train.eval_interval", "0",
+                   "--train.sample_tokens", "0", "--train.precision", "fp32", "--logging.wandb.mode", "disabled",
+                   "--parallel.accumulate_unsharded", str(unsharded).lower(), "--profile.steps", "2-2",
+                   "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    traces = sorted((run_dir / "profile").glob("rank*.json"))
+    assert len(traces) == 2
+    for trace in traces:
+        names = collections.Counter(e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]
+                                    if e.get("ph") == "X")
+        reduces = sum(n for name, n in names.items() if name.startswith("FSDP::post_backward_reduce"))
+        gathers = sum(n for name, n in names.items() if name == "FSDP::all_gather" or
+                      name.startswith("FSDP::all_gather ("))
+        assert (reduces, gathers) == ((3, 7) if unsharded else (6, 10)), (trace.name, names)
