@@ -187,3 +187,70 @@ def test_stray_entries_in_checkpoints_are_not_saves(tmp_path, cache_dir):
     run = resolve(cfg, WorldInfo(0, 1, 0, 1), CPU, own_run_dir=True)
     run.lock.release()
     assert run.load_from == root / "step_00000004"
+
+
+# Each config field that a component reads, set away from its default, and where the component shows it (`t` the
+# Trainer start-up built, after one train_step; `before` its weights before it; `torch` imported): the value a broken hand-over would lose.
+ARRIVALS = [
+    (["--optim.lr", "0.002", "--optim.warmup_steps", "0"], "t.optimizer.param_groups[0]['lr']", 0.002),
+    (["--optim.beta1", "0.85", "--optim.beta2", "0.97"], "list(t.optimizer.param_groups[0]['betas'])", [0.85, 0.97]),
+    (["--optim.eps", "1e-07"], "t.optimizer.param_groups[0]['eps']", 1e-07),
+    (["--optim.weight_decay", "0.05"], "sorted({g['weight_decay'] for g in t.optimizer.param_groups})", [0.0, 0.05]),
+    (["--optim.fused", "false", "--optim.foreach", "true"], "all(g['foreach'] for g in t.optimizer.param_groups)",
+     True),
+    (["--optim.name", "muon", "--optim.muon_momentum", "0.9", "--optim.muon_nesterov", "false", "--optim.muon_ns_steps",
+      "3", "--optim.muon_scale", "original"],
+     "[t.optimizer.param_groups[0][k] for k in ('momentum', 'nesterov', 'ns_steps', 'scale')]",
+     [0.9, False, 3, "original"]),
+    (["--optim.name", "muon", "--optim.lr", "0.002", "--optim.muon_lr", "0.05", "--optim.warmup_steps", "0"],
+     "[g['lr'] for g in t.optimizer.param_groups[:2]]", [0.05, 0.002]),
+    (["--optim.name", "muon", "--optim.muon_distribution", "gather"], "t.optimizer.distribution", "gather"),
+    (["--train.micro_batch_size", "2"], "[t.run.microbatches, len(t.data.train.microbatches(1))]", [4, 4]),
+    (["--train.seq_len", "32"], "list(t.data.train.microbatches(1)[0][0].shape)", [8, 32]),
+    (["--train.eval_batches", "3"], "len(t.data.valid)", 3),
+    (["--train.activation_checkpointing", "full"], "type(t.model.layers[0]).__name__", "CheckpointWrapper"),
+    (["--train.compile", "true"], "t.model.layers[0]._compiled_call_impl is not None", True),
+    (["--train.loss_chunk_tokens", "64"], "t.forward_loss.keywords['chunk_tokens']", 64),
+    (["--model.n_layers", "3", "--model.d_model", "48", "--model.n_heads", "3"],
+     "[len(t.model.layers), t.model.tok_embeddings.weight.shape[1], t.model.layers[0].attn.head_dim]", [3, 48, 16]),
+    (["--train.deterministic", "true", "--train.tf32", "true"],
+     "[torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32]", [True, True]),
+    (["--train.eval_tasks", ""], "t.tasks", []),
+    # clipped to a norm of 1e-9, far below AdamW's eps (1e-8), the first step moves no weight by 0.1 x lr (unclipped:
+    # about lr, m / sqrt(v) = sign(g))
+    (["--train.grad_clip", "1e-9"], "max(float((p.detach() - before[n]).abs().max()) for n, p in "
+     "t.model.named_parameters()) < 0.1 * t.optimizer.param_groups[0]['lr']", True),
+    ([], "max(float((p.detach() - before[n]).abs().max()) for n, p in t.model.named_parameters()) > 0.5 * "
+     "t.optimizer.param_groups[0]['lr']", True),
+]
+
+ARRIVALS_SCRIPT = """
+import json, sys
+import torch
+from hybridpar.config.cli import load_config
+from hybridpar.trainer import start_trainer
+
+rows, base, out = json.loads(sys.argv[1]), sys.argv[2:], []
+for args, expr, _ in rows:
+    t = start_trainer(load_config([*base, *args]))
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    t.train_step(0)
+    out.append(eval(expr, {"t": t, "torch": torch, "before": before}))
+    t.data.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.multiprocess
+def test_every_config_field_that_a_component_reads_arrives(cache_dir):
+    """The table above, in one interpreter (a Trainer a row): each value is seen where the component keeps it."""
+    from conftest import run_cli
+
+    base = ["--data.cache_dir", str(cache_dir), "--train.global_batch_size", "8", "--train.seq_len", "64",
+            "--model.n_layers", "1", "--train.eval_interval", "10", "--train.sample_tokens", "0",
+            "--logging.wandb.mode", "disabled", "--train.precision", "fp32"]
+    out = run_cli(["-c", ARRIVALS_SCRIPT, json.dumps(ARRIVALS), *base])
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for (args, expr, want), value in zip(ARRIVALS, got):
+        assert value == pytest.approx(want) if isinstance(want, float) else value == want, (args, expr, value)
