@@ -365,18 +365,23 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
     2 microbatches a rank) counts FSDP's collectives. By hand, for 3 FSDP modules (2 blocks resharded after forward,
     the root kept): true reduce-scatters once a step (3) and gathers 3 + 3 + 1 = 7 times (a block: microbatch 1's
     forward and backward, microbatch 2's backward; the root once); false reduce-scatters after each microbatch (6)
-    and gathers 4 + 4 + 2 = 10 times (every forward and backward of a block; the root each microbatch)."""
+    and gathers 4 + 4 + 2 = 10 times (every forward and backward of a block; the root each microbatch). The bytes
+    the collectives moved (their tensors' sizes in the trace) are the planner's fsdp_gather_bytes and
+    fsdp_scatter_bytes for this layout, exactly."""
     import collections
     import json
 
+    from hybridpar.planning.cost import GPUS, Layout, step_time
+
     run_dir = tmp_path / "run"
-    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py",
-                   "--train.steps", "3", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
-                   "--train.seq_len", "32", "--model.n_layers", "2", "--train.eval_interval", "0",
-                   "--train.sample_tokens", "0", "--train.precision", "fp32", "--logging.wandb.mode", "disabled",
-                   "--parallel.accumulate_unsharded", str(unsharded).lower(), "--profile.steps", "2-2",
-                   "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)])
+    argv = ["--train.steps", "3", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
+            "--train.seq_len", "32", "--model.n_layers", "2", "--train.eval_interval", "0",
+            "--train.sample_tokens", "0", "--train.precision", "fp32", "--logging.wandb.mode", "disabled",
+            "--parallel.accumulate_unsharded", str(unsharded).lower(), "--profile.steps", "2-2",
+            "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)]
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py", *argv])
     assert out.returncode == 0, out.stderr[-3000:]
+    plan = step_time(load_config(argv), Layout(1, 2, 1), GPUS["h100"], 8)
     traces = sorted((run_dir / "profile").glob("rank*.json"))
     assert len(traces) == 2
     for trace in traces:
@@ -386,3 +391,11 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
         gathers = sum(n for name, n in names.items() if name == "FSDP::all_gather" or
                       name.startswith("FSDP::all_gather ("))
         assert (reduces, gathers) == ((3, 7) if unsharded else (6, 10)), (trace.name, names)
+        events = json.loads(trace.read_text())["traceEvents"]
+        moved = collections.Counter()  # fp32 bytes: an all-gather's output (its first tensor), a reduce-scatter's input
+        for e in events:
+            if e.get("ph") == "X" and e["name"] in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
+                dims = e["args"]["Input Dims"]
+                moved[e["name"]] += 4 * (dims[0][0] if "allgather" in e["name"] else dims[1][0])
+        assert (moved["c10d::_allgather_base_"], moved["c10d::_reduce_scatter_base_"]) == (
+            plan["fsdp_gather_bytes"], plan["fsdp_scatter_bytes"]), (moved, plan)

@@ -310,6 +310,18 @@ def all_gather_bytes(cfg: Config, layout: Layout) -> int:
     return fp8 + (params_tp - fp8) * a
 
 
+def root_gather_bytes(cfg: Config, layout: Layout) -> int:
+    """The part of all_gather_bytes that is the root's (embeddings, final norm, LM head): FSDP keeps the root's
+    parameters gathered from its forward to its backward, so it gathers them once a forward, the blocks twice."""
+    tp_only = Layout(1, 1, layout.tp)
+    root = local_param_count(cfg.model, tp_only, part="root")[0]
+    t, a = cfg.train, _compute_bytes(cfg.train.precision)
+    if t.fp8 == "tensorwise" and t.fp8_all_gather and t.fp8_linears == "all":
+        head = sum(numel(local_shape(s, tp_only, 0)) for s in param_specs(cfg.model) if s.name == "lm_head.weight")
+        return root * a - (a - 1) * head
+    return root * a
+
+
 def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict:
     """Estimated seconds of one optimizer step, by part.
 
@@ -321,7 +333,9 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     fsdp: all-gathers of the bf16 parameters and fp32 reduce-scatters of the gradients: with unsharded
       accumulation (or one microbatch) forward gathers once, backward once per microbatch with full_shard, and
       one reduce-scatter per step; with sharded accumulation every microbatch gathers in forward (and in backward
-      with full_shard) and reduce-scatters; with HSDP one fp32 all-reduce of the gradient shards across replicas;
+      with full_shard) and reduce-scatters; the root (embeddings, final norm, LM head), kept gathered from forward
+      to backward, is gathered once a step or once a microbatch (fsdp_gather_bytes, fsdp_scatter_bytes: the
+      step's totals, full-tensor sizes, as measured on ranks in tests/test_parallel.py); with HSDP one fp32 all-reduce of the gradient shards across replicas;
       over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with compute except
       the first block's all-gather and the last one's reduce-scatter.
     fp8 (train.fp8): the converted linears' FLOPs (the blocks', and the LM head's with fp8_linears=all) at the
@@ -358,19 +372,23 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     tp_comm = n_micro * per_micro
     fsdp = hsdp = exposed = 0.0
     gathered = all_gather_bytes(cfg, layout)
+    gather_bytes = scatter_bytes = 0
     if layout.dp > 1:
         params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
         shard_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
         reshard = reshard_after_forward(p)
+        root = root_gather_bytes(cfg, layout)
+        blocks = gathered - root
+        # the blocks' gathers (forward, and backward when resharded after forward); the root's, once a forward
         if n_micro == 1 or accumulates_unsharded(cfg, layout):
-            gathers, scatters = 1 + (n_micro if reshard is True else 0), 1
+            gathers, root_gathers, scatters = 1 + (n_micro if reshard is True else 0), 1, 1
         else:
-            gathers, scatters = n_micro * (2 if reshard is True else 1), n_micro
-        fsdp = (gathers * _ring(gathered, layout.dp_shard, shard_bw)
-                + scatters * _ring(params_tp * 4, layout.dp_shard, shard_bw))
-        if not isinstance(reshard, bool):  # backward's all-gathers within groups of N ranks
+            gathers, root_gathers, scatters = n_micro * (2 if reshard is True else 1), n_micro, n_micro
+        gather_bytes, scatter_bytes = gathers * blocks + root_gathers * root, scatters * params_tp * 4
+        fsdp = _ring(gather_bytes, layout.dp_shard, shard_bw) + _ring(scatter_bytes, layout.dp_shard, shard_bw)
+        if not isinstance(reshard, bool):  # backward's all-gathers of the blocks within groups of N ranks
             group_bw = gpu.nvlink_gbps if reshard * layout.tp <= gpus_per_node else gpu.internode_gbps
-            fsdp += n_micro * _ring(gathered, reshard, group_bw)
+            fsdp += n_micro * _ring(blocks, reshard, group_bw)
             gathers += n_micro
         rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
         hsdp = _ring(params_tp * 4 / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
@@ -392,4 +410,5 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
             "tokens_per_sec": t.global_batch_size * t.seq_len / total,
             "mfu": fpt * t.global_batch_size * t.seq_len / total / layout.world / (gpu.peak_tflops * 1e12),
             "mfu_fp8": (fpt * t.global_batch_size * t.seq_len / total / layout.world / (gpu.peak_fp8_tflops * 1e12)
-                        if fp8 else None), "all_gather_bytes": gathered}
+                        if fp8 else None), "all_gather_bytes": gathered,
+            "fsdp_gather_bytes": gather_bytes, "fsdp_scatter_bytes": scatter_bytes}
