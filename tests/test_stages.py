@@ -298,8 +298,13 @@ def test_changed_stages_are_refused_unless_allowed_then_apply_from_the_resume_po
     refused = run_cli(_staged_args(tmp, run_dir, new))
     assert refused.returncode == 2 and "data.stages: checkpoint" in refused.stderr
     assert refused.stderr.count("\n") == 1 and (run_dir / "metrics.jsonl").read_bytes() == before
-    out = run_cli(_staged_args(tmp, run_dir, new, "--checkpoint.allow_data_change", "true"))
+    out = run_cli(_staged_args(tmp, run_dir, new, "--checkpoint.allow_data_change", "true", "--train.steps", "10"))
     assert out.returncode == 0, out.stderr[-3000:]
+    # a second resume (from step 10) with the new stages, nothing more allowed: the change's origin (batch 6 and
+    # the counts there) was saved with the checkpoints after it, so it is accepted and the counts go on
+    out = run_cli(_staged_args(tmp, run_dir, new))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming from" in out.stdout and "step 10" in out.stdout.split("resuming from")[1].splitlines()[0]
     after = step_rows(run_dir)
     web6, code6 = rows[6]["samples/web"], rows[6]["samples/code"]
     for s in range(7, STEPS + 1):  # code frozen at its count, web on by G a step
@@ -385,3 +390,24 @@ def test_the_validation_loss_over_sources_is_token_weighted_by_hand():
     assert got["val_loss/code"] == pytest.approx(code_loss, rel=1e-6)
     assert got["val_loss"] == pytest.approx((16 * web_loss + 4 * code_loss) / 20, rel=1e-6)
     assert abs(got["val_loss"] - (web_loss + code_loss) / 2) > 0.1  # the unweighted mean is far off
+
+
+@pytest.mark.multiprocess
+def test_skipped_batches_in_a_staged_run_keep_exact_per_source_counts(staged):
+    """data.skip_batches 4-5 in the staged run: step k trains batch k (k <= 3) or k + 2, and each source's count
+    is the reference's at that batch less what batches 4-5 drew of it (by hand from the reference's rows)."""
+    tmp, web, code, stages, ref, rows = staged
+    run_dir = tmp / "skipped"
+    out = run_cli(_staged_args(tmp, run_dir, stages, "--data.skip_batches", "4-5", "--train.steps", str(STEPS - 2)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = step_rows(run_dir)
+
+    def counts(step):
+        return rows[step]["samples/web"], rows[step]["samples/code"]
+
+    skipped = [a - b for a, b in zip(counts(5), counts(3))]
+    assert sum(skipped) == 2 * G
+    for k in range(1, STEPS - 1):
+        want = counts(k) if k <= 3 else tuple(c - s for c, s in zip(counts(k + 2), skipped))
+        assert (got[k]["samples/web"], got[k]["samples/code"]) == want, k
+        assert got[k]["batch_crc32"] == rows[k if k <= 3 else k + 2]["batch_crc32"], k  # the same tokens

@@ -218,7 +218,9 @@ def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     streams = [build_passes(path[p], range(1), *split, length, t.seed, tokenizer, d.cache_path)[0]
                for p, length in plan.streams]
     sampler = StageSampler(plan, t.seed, G)
-    n_batches = train_batches(cfg)
+    # A staged order is keyed by position, whatever the run's length: the batches data.skip_batches skips are added
+    # (without them a staged run could skip none: the split ended at train.steps).
+    n_batches = train_batches(cfg) + sum(b - a + 1 for a, b in d.skip_windows)
     drawn = sampler.counts_before(n_batches)
     needs = [-(-int(n) // len(passes[0])) for n, passes in zip(drawn, streams)]
     for s, ((prefix, length), passes) in enumerate(zip(plan.streams, streams)):
