@@ -207,6 +207,9 @@ LAYOUTS = {"tp": ["--parallel.tp", "2"], "tp+sp": ["--parallel.tp", "2", "--para
            "fsdp": ["--parallel.dp_shard", "2"], "replicate": ["--parallel.dp_replicate", "2", "--parallel.dp_shard",
                                                                "1"]}
 PROMPTS = [[72, 101, 108, 108, 111], [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98], [65]]
+# 11 (context, continuation) requests of distinct lengths: 3 batches of 4, which 2 data-parallel ranks do not divide
+# (one rank scores a spare batch and throws it away); each request is compared, not only the metrics they make.
+REQUESTS = [(PROMPTS[1][:1 + i % 9], PROMPTS[1][1 + i % 9:][:1 + i % 3] or [32]) for i in range(11)]
 
 
 def _everything(ckpt: str, argv: list[str], tasks: dict) -> dict:
@@ -224,6 +227,7 @@ def _everything(ckpt: str, argv: list[str], tasks: dict) -> dict:
                     pad_multiple=pad)
     for name, path in tasks.items():
         out[name] = {k: v for k, v in run_task(read_task(path), scorer).items() if k != "seconds"}
+    out["requests"] = scorer.loglikelihood(REQUESTS)
     return out
 
 
@@ -275,6 +279,9 @@ def test_every_layout_generates_the_same_tokens_and_scores_the_same_numbers(tmp_
                 assert got["cloze"]["acc"] == want["cloze"]["acc"], where
                 for task, metric in (("cloze", "ppl"), ("text", "bits_per_byte"), ("text", "word_perplexity")):
                     assert abs(got[task][metric] - want[task][metric]) <= 1e-5 * abs(want[task][metric]), where
+                assert len(got["requests"]) == len(REQUESTS) == 11, where
+                for (ll, greedy), (want_ll, want_greedy) in zip(got["requests"], want["requests"]):
+                    assert greedy == want_greedy and abs(ll - want_ll) <= 1e-5 * abs(want_ll), where
 
 
 # -- lm-evaluation-harness --------------------------------------------------------------------------------------
