@@ -261,3 +261,34 @@ def test_muon_lr_moves_exactly_the_hidden_matrices_under_ac_and_compile(tmp_path
             assert float((b - 2 * a).norm() / b.norm()) < 1e-4 and float(a.norm()) > 0, name
         else:
             assert torch.equal(a, b) and float(a.norm()) > 0, name
+
+
+@pytest.mark.multiprocess
+def test_muon_bytes_sent_on_ranks_are_the_planners(tmp_path, cache_dir):
+    """A real 4-rank Muon run (dp_shard 2 x tp 2, 3 blocks: 18 matrices over a shard group of 4, owned 5, 5, 4, 4):
+    the all-to-alls of step 2's optimizer step, read from each rank's profiler trace (the split sizes it sent to the
+    other ranks, in fp32), carry the bytes the planner's muon_share gives that rank."""
+    import json
+
+    from conftest import run_cli
+    from hybridpar.planning.cost import Layout, muon_share
+
+    run_dir = tmp_path / "run"
+    argv = ["--train.steps", "2", "--train.global_batch_size", "8", "--train.seq_len", "32", "--model.n_layers", "3",
+            "--train.eval_interval", "0", "--train.sample_tokens", "0", "--train.precision", "fp32",
+            "--logging.wandb.mode", "disabled", "--optim.name", "muon", "--parallel.dp_shard", "2", "--parallel.tp",
+            "2", "--profile.steps", "2-2", "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)]
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "launch/pretrain_gpt.py", *argv])
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg, shares = load_config(argv), set()
+    for rank in range(4):
+        trace = json.loads((run_dir / "profile" / f"rank{rank}.steps2-2.pt.trace.json").read_text())
+        sent = 0
+        for e in trace["traceEvents"]:
+            if e.get("ph") == "X" and e["name"] == "c10d::alltoall_base_":
+                splits = json.loads(e["args"]["Concrete Inputs"][4])  # the input split sizes, one per member
+                sent += 4 * (sum(splits) - splits[rank])
+        want = muon_share(cfg, Layout(1, 2, 2), rank)["muon_comm_bytes"]
+        assert sent == want > 0, (rank, sent, want)
+        shares.add(want)
+    assert len(shares) > 1  # the members' shares differ: a rank's own is measured, not a mean
