@@ -374,3 +374,35 @@ def test_math_attention_bytes_equal_what_autograd_saves(seq):
     planned = memory(cfg, Layout(1, 1, 1))["activations"]  # the planner counts it for fp32 GQA (fused loss here)
     assert planned == activation_bytes(cfg.model, 2 * seq, seq, 1, False, "fp32", False, "none", fused_loss=True,
                                        math_attention=True)
+
+
+def test_accumulation_auto_and_mfu_by_hand():
+    """gpt2-124m on 8 ranks (dp_shard 8), 4 microbatches of 2 x 1024. Holding the model unsharded between
+    microbatches costs, by hand, the gathered bf16 parameters and the unsharded fp32 gradients: (2 + 4) bytes x N,
+    N = 124,475,904 (50304 x 768 tied embedding + 1024 x 768 positions + 12 blocks of 7,087,872 + the final norm's
+    1,536); fp32 gathers 4 bytes. `auto` holds it exactly when that fits the usable bytes, and with one microbatch
+    holds nothing. The plan's MFU is its tokens/s x flops per token (798,031,872 at T=1024, PaLM's 6N + 12 L H T:
+    tests/test_observability.py) over 8 x the H100 SXM's 989.4 dense bf16 TFLOPS (its datasheet: 1,979 with sparsity)."""
+    from hybridpar.planning.cost import GPUS, step_time
+    from hybridpar.planning.layouts import choose_accumulation
+
+    n = 50304 * 768 + 1024 * 768 + 12 * 7_087_872 + 1536
+    assert n == 124_475_904
+    base = ["--model.name", "gpt2-124m", "--train.global_batch_size", "64", "--train.micro_batch_size", "2",
+            "--train.seq_len", "1024"]
+    layout = Layout(1, 8, 1)
+    for precision, per_param in (("bf16", 6), ("fp32", 8)):
+        cfg = load_config([*base, "--train.precision", precision])
+        held, sharded = (memory(replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=v)), layout)
+                         ["total_bytes_per_gpu"] for v in (True, False))
+        assert held - sharded == per_param * n, precision
+        auto = replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded="auto"))
+        assert choose_accumulation(auto, layout, held) is True
+        assert choose_accumulation(auto, layout, held - 1) is False
+        one = replace(auto, train=replace(auto.train, global_batch_size=16))  # 16 / (2 x 8): one microbatch
+        assert choose_accumulation(one, layout, 10 ** 15) is False
+    cfg = load_config([*base, "--train.precision", "bf16"])
+    plan = step_time(cfg, layout, GPUS["h100"], 8)
+    assert GPUS["h100"].peak_tflops == 989.4
+    assert plan["mfu"] == pytest.approx(plan["tokens_per_sec"] * 798_031_872 / (8 * 989.4e12), rel=1e-12)
+    assert plan["tokens_per_sec"] == pytest.approx(64 * 1024 / plan["step_time_s"], rel=1e-12)
