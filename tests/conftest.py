@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import multiprocessing.process
@@ -21,9 +22,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+_RUNNING: dict = {}  # the test being set up or run: its id and whether it is marked multiprocess
+
+
 @contextlib.contextmanager
 def _no_process_started(item):
     """Around an unmarked test's set-up (its fixtures of every scope included) and call: starting a process fails."""
+    _RUNNING.update(nodeid=item.nodeid, multiprocess=item.get_closest_marker("multiprocess") is not None)
     if item.get_closest_marker("multiprocess"):
         yield
         return
@@ -37,16 +42,84 @@ def _no_process_started(item):
         yield
 
 
+# -- what the suite costs: interpreter starts per test, and one line at the end ------------------------------------
+STARTS: dict[str, int] = {}  # test id -> Python interpreters its set-up and call started
+SECONDS: dict[str, float] = {}  # test id -> wall seconds of set-up, call and teardown
+_SESSION_START = time.perf_counter()
+
+
+def interpreters_of(args) -> int:
+    """Python interpreters a command starts: one per mention of this interpreter (a launcher, a `-c` script, one
+    inside a shell line), and torchrun's ranks beside its agent (--nproc_per_node N)."""
+    argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
+    line = " ".join(argv)
+    n = line.count(sys.executable) + sum(a in ("python", "python3") for a in argv)
+    for i, a in enumerate(argv):
+        if a.startswith("--nproc_per_node"):
+            value = a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "1")
+            n += int(value) if value.isdigit() else 0
+    return n
+
+
+@contextlib.contextmanager
+def _count_starts(item):
+    """Counts (never blocks) the interpreters a multiprocess test starts: subprocesses and multiprocessing's."""
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def counting_popen(self, args, *a, **k):
+        STARTS[item.nodeid] = STARTS.get(item.nodeid, 0) + interpreters_of(args)
+        return popen_init(self, args, *a, **k)
+
+    def counting_start(self):
+        STARTS[item.nodeid] = STARTS.get(item.nodeid, 0) + 1
+        return process_start(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(subprocess.Popen, "__init__", counting_popen)
+        mp.setattr(multiprocessing.process.BaseProcess, "start", counting_start)
+        yield
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
-    with _no_process_started(item):
+    with _no_process_started(item), _count_starts(item):
         return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    with _no_process_started(item):
+    with _no_process_started(item), _count_starts(item):
         return (yield)
+
+
+def pytest_runtest_logreport(report):
+    SECONDS[report.nodeid] = SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: the tiers, the wall time, the interpreter starts; with HYBRIDPAR_COST_REPORT=FILE, per test file
+    (seconds, starts, tests) as JSON there."""
+    unit = [n for n in SECONDS if n not in _MULTIPROCESS]
+    wall = time.perf_counter() - _SESSION_START
+    terminalreporter.write_line(
+        f"hybridpar suite cost: {len(unit)} unit + {len(SECONDS) - len(unit)} multiprocess tests, wall {wall:.0f} s "
+        f"(unit {sum(SECONDS[n] for n in unit):.0f} s), {sum(STARTS.values())} interpreter starts")
+    out = os.environ.get("HYBRIDPAR_COST_REPORT")
+    if out:
+        files: dict[str, list] = {}
+        for nodeid, seconds in SECONDS.items():
+            f = files.setdefault(nodeid.split("::")[0], [0.0, 0, 0])
+            f[0] += seconds
+            f[1] += STARTS.get(nodeid, 0)
+            f[2] += 1
+        Path(out).write_text(json.dumps(files, indent=1) + "\n")
+
+
+_MULTIPROCESS: set[str] = set()
+
+
+def pytest_collection_modifyitems(items):
+    _MULTIPROCESS.update(i.nodeid for i in items if i.get_closest_marker("multiprocess"))
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +140,27 @@ def one_process_group(tmp_path_factory):
 
 
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 600,
-            env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a launch/ script as a user would, in a fresh interpreter (env: the environment, default this one's)."""
+            env: dict | None = None, warm: bool = True) -> subprocess.CompletedProcess:
+    """Run a launch/ script as a user would (env: the environment, default this one's): `launch/X.py ...` and
+    `-m torch.distributed.run --standalone --nproc_per_node=N launch/X.py ...` in a warm world (tests/warm.py) when
+    the test leaves env and cwd alone; anything else, or warm=False (the process is what is tested), or
+    HYBRIDPAR_COLD=1 in the environment, in a fresh interpreter."""
+    from warm import run_warm, warm_command
+
+    command = warm_command(args) if warm and cwd is None and env is None and not os.environ.get("HYBRIDPAR_COLD") \
+        else None
+    if command is not None:
+        if not _RUNNING.get("multiprocess"):
+            raise AssertionError(f"{_RUNNING.get('nodeid')} runs a launcher: mark it @pytest.mark.multiprocess")
+        return run_warm(*command, user_env(), timeout)
     return subprocess.run([sys.executable, *args], cwd=cwd or ROOT, env=user_env(env), capture_output=True, text=True,
                           timeout=timeout)
+
+
+def pytest_sessionfinish(session):
+    from warm import stop_all
+
+    stop_all()
 
 
 def launcher(name: str):
