@@ -139,12 +139,15 @@ class MetricsLogger:
                        f"val_loss {row['val_loss']:.4f} | val_ppl {row['val_ppl']:.1f}")
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
+        """Closes every sink once (a second call, from the launcher's clean-up after an error, does nothing)."""
+        file, board, run = self.file, self.tensorboard, self.wandb_run
+        self.file = self.tensorboard = self.wandb_run = None
+        if file is not None:
+            file.close()
+        if board is not None:
+            board.close()
+        if run is not None:
+            run.finish()
 
 
 def compile_summary() -> str:

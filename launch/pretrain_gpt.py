@@ -55,6 +55,9 @@ def _keep_metrics_until(path: Path, step: int) -> None:
     tmp.replace(path)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
 def _install_signal_handlers(trainer: Trainer) -> None:
     """SIGTERM / SIGUSR1 (SLURM's warning before preemption or the time limit) / SIGINT (Ctrl-C): with checkpointing,
     finish the step, save, exit EXIT_PREEMPTED; without, stop after the current microbatch and exit 128 + signal.
@@ -69,7 +72,7 @@ def _install_signal_handlers(trainer: Trainer) -> None:
               "after the current microbatch (no checkpoint: checkpoint.interval 0)"), file=sys.stderr, flush=True)
         trainer.request_stop(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
 
 
@@ -85,6 +88,7 @@ def main(cfg: Config, hooks=()) -> TrainResult:
     """Train with `cfg` on the processes the launcher started (one without a launcher); `hooks` are added to the
     trainer's (hybridpar.trainer.Hook: drills and extra logging)."""
     run = trainer = None
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # restored on the way out (a caller's own)
 
     def orphaned(why: str) -> None:
         print(f"rank {world_from_env().rank}: {why}: exiting at once, writing nothing more (the latest complete "
@@ -186,10 +190,16 @@ def main(cfg: Config, hooks=()) -> TrainResult:
             orphaned(why)
         raise
     finally:
+        if trainer is not None:  # (after an error: fit() closes both on its own way out)
+            if trainer.log is not None:
+                trainer.log.close()
+            trainer.data.close()
         if run is not None and run.lock is not None:
             run.lock.release()
         trainer = None  # drop the model (and the process groups its DTensors hold) before the groups are destroyed
         shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def cli(argv: list[str], hooks=()) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -53,7 +54,7 @@ def interpreters_of(args) -> int:
     inside a shell line), and torchrun's ranks beside its agent (--nproc_per_node N)."""
     argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
     line = " ".join(argv)
-    n = line.count(sys.executable) + sum(a in ("python", "python3") for a in argv)
+    n = line.count(sys.executable) + len(re.findall(r"(?:^|[\s;&|(])python3?(?=\s|$)", line))
     for i, a in enumerate(argv):
         if a.startswith("--nproc_per_node"):
             value = a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "1")

@@ -53,8 +53,11 @@ def _run_job(script: str, argv: list[str], env: dict, cwd: str) -> tuple[int, st
     import torch
     import torch.distributed as dist
 
+    import threading
+
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     saved_signals = {s: signal.getsignal(s) for s in SIGNALS}
+    files_before, threads_before = _open_files(), set(threading.enumerate())
     leftovers = []
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush(), sys.stderr.flush()
@@ -93,7 +96,26 @@ def _run_job(script: str, argv: list[str], env: dict, cwd: str) -> tuple[int, st
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
             torch._dynamo.reset()
         out.seek(0), err.seek(0)
+        import gc
+
+        gc.collect()  # what only a reference cycle still holds is garbage, not a leak
+        leftovers += [f"open file {f}" for f in sorted(set(_open_files()) - set(files_before))]
+        leftovers += [f"thread {t.name}" for t in set(threading.enumerate()) - threads_before
+                      if t.is_alive() and t.name.startswith("hybridpar")]
         return rc, out.read().decode(errors="replace"), err.read().decode(errors="replace"), leftovers
+
+
+def _open_files() -> list[str]:
+    """The regular files this process holds open (what a job must close: a run dir's files keep a disk busy)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")) and os.path.isfile(target):
+            out.append(target)
+    return out
 
 
 def _worker() -> None:
@@ -192,8 +214,10 @@ class World:
         if self.n > 1 and rc:
             stderr += "".join(f"warm world: rank {r} exitcode  : {c}\n" for r, c in enumerate(codes) if c)
         leftovers = sorted({x for r in results.values() for x in r[3]})
-        if leftovers:
-            stderr += f"warm world: the job left {', '.join(leftovers)} behind\n"
+        if leftovers:  # what a real process would have lost at exit is a leak in-process: the test fails on it
+            self.stop()
+            raise AssertionError(f"{script} {' '.join(argv)[:200]}: the job left {', '.join(leftovers)} behind "
+                                 f"(close it on every path out)\n{stderr[-2000:]}")
         return subprocess.CompletedProcess([script, *argv], rc, stdout, stderr)
 
 

@@ -21,7 +21,7 @@ from hybridpar.errors import ConfigError, DataError
 from hybridpar.config import DataConfig
 from hybridpar.data.corpus import load_builtin_corpus
 from hybridpar.data.gpt_data import (GlobalBatchLoader, build_gpt_datasets, build_passes, check_prefixes, open_blend,
-                                     split_ranges)
+                                     release_index_readers, split_ranges)
 from hybridpar.data.indexed import IndexedTokens, idx_path
 from hybridpar.data.preprocess import preprocess
 from hybridpar.data.stages import StagedDataset, StagePlan, StageSampler
@@ -108,6 +108,7 @@ class TrainingData:
 
     def close(self) -> None:
         self.train.close()
+        release_index_readers()
 
     def samples_line(self, needed: int, tokens: int) -> str:
         """How many training samples exist and why: train.steps x global batch asks for `needed`; the dataset is

@@ -236,6 +236,17 @@ def build_passes(prefix: str, passes: range, split: str, fractions, seq_len: int
                                     one("valid", seed, n_valid)["valid"] if n_valid else None))
 
 
+def release_index_readers() -> None:
+    """megatron-core caches _IndexReader.__getitem__ with functools.lru_cache on the method: the cache's keys hold
+    every reader ever read from, and with it the memory map of its .idx file, for the life of the process. A run's
+    data, closed, lets them go (a process that trains, evaluates or converts again keeps no file of the last run
+    open)."""
+    module = sys.modules.get("megatron.core.datasets.indexed_dataset")
+    clear = getattr(getattr(getattr(module, "_IndexReader", None), "__getitem__", None), "cache_clear", None)
+    if clear is not None:
+        clear()
+
+
 class GlobalBatchLoader:
     """This data-parallel rank's microbatches of global batch `step`, with the next steps read ahead by a
     background thread (the device never waits on disk), and every batch's token ids checked against the vocab."""
