@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from hybridpar.config import Config, merge_windows
 from hybridpar.data.dataset import build_training_data
+from hybridpar.data.gpt_data import release_index_readers
 from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
 from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, pick_device, set_numerics, start_process_group,
                                             world_from_env)
@@ -85,6 +86,7 @@ def start_trainer(cfg: Config, own_run_dir: bool = False, hooks: list[Hook] = ()
     except BaseException:
         if run.lock is not None:
             run.lock.release()
+        release_index_readers()  # the data a failed start-up opened: megatron-core's readers keep their .idx open
         raise
 
 

@@ -106,14 +106,17 @@ def _run_job(script: str, argv: list[str], env: dict, cwd: str) -> tuple[int, st
 
 
 def _open_files() -> list[str]:
-    """The regular files this process holds open (what a job must close: a run dir's files keep a disk busy)."""
+    """The regular files this process holds open (what a job must close: a run dir's files keep a disk busy), but
+    for the Python installation's own (a library's caches, such as matplotlib's fonts, are kept on purpose)."""
+    installed = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.startswith("/") and not target.startswith(("/dev/", "/proc/")) and os.path.isfile(target):
+        if (target.startswith("/") and not target.startswith(("/dev/", "/proc/", *installed))
+                and os.path.isfile(target)):
             out.append(target)
     return out
 
