@@ -182,9 +182,12 @@ def check_sample_count(cfg: Config) -> None:
     reserve = batches - t.steps
     what = (f"train.steps={t.steps} + spike.max_rewinds={s.max_rewinds} x spike.skip={s.skip} (the batches rewinds "
             f"may skip)" if reserve else f"train.steps={t.steps}")
-    fix = (f"lower spike.max_rewinds x spike.skip to {most - t.steps} or less" if reserve > t.steps and most > t.steps
-           else f"use --train.steps {most - reserve} or fewer" if most > reserve
-           else "lower spike.max_rewinds x spike.skip and train.steps")
+    if reserve > t.steps and most > t.steps:  # the rewinds' reserve made it large
+        fix = f"lower spike.max_rewinds x spike.skip to {most - t.steps} or less"
+    elif most > reserve:
+        fix = f"use --train.steps {most - reserve} or fewer"
+    else:
+        fix = "lower spike.max_rewinds x spike.skip and train.steps"
     raise ConfigError(f"{what} = {batches:,} batches x train.global_batch_size={t.global_batch_size} = {samples:,} "
                       f"samples, whose index would take {samples * SAMPLE_INDEX_BYTES / 2**30:,.1f} GiB of every "
                       f"rank's memory (at most {SAMPLE_INDEX_LIMIT / 2**30:.0f} GiB); {fix}")

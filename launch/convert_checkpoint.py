@@ -264,7 +264,6 @@ def _remove_stale_partials(final: Path) -> None:
 
 
 def cli(argv: list[str]) -> int:
-    a = None
     # SIGTERM (a job's time limit, a scancel) unwinds like an exception, so the .partial directory is removed.
     previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     try:

@@ -248,7 +248,8 @@ def test_the_fp8_gate_passes_for_the_small_models(tmp_path, cache_dir):
 def _args(tmp_path, run_dir, *extra):
     return ["launch/pretrain_gpt.py", *COMMON, "--train.fp8", "tensorwise", "--checkpoint.interval", "2",
             "--logging.interval", "1", "--data.cache_dir", str(tmp_path / "cache"), "--run.dir", str(run_dir),
-            "--parallel.dp_shard", "2", "--train.eval_interval", "4", "--train.eval_batches", "2", "--checkpoint.keep_last", "10", *extra]
+            "--parallel.dp_shard", "2", "--train.eval_interval", "4", "--train.eval_batches", "2",
+            "--checkpoint.keep_last", "10", *extra]
 
 
 def _torchrun(args):

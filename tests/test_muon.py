@@ -278,7 +278,8 @@ def test_muon_bytes_sent_on_ranks_are_the_planners(tmp_path, cache_dir):
             "--train.eval_interval", "0", "--train.sample_tokens", "0", "--train.precision", "fp32",
             "--logging.wandb.mode", "disabled", "--optim.name", "muon", "--parallel.dp_shard", "2", "--parallel.tp",
             "2", "--profile.steps", "2-2", "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)]
-    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "launch/pretrain_gpt.py", *argv])
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "launch/pretrain_gpt.py",
+                   *argv])
     assert out.returncode == 0, out.stderr[-3000:]
     cfg, shares = load_config(argv), set()
     for rank in range(4):

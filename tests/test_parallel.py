@@ -379,7 +379,8 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
             "--train.sample_tokens", "0", "--train.precision", "fp32", "--logging.wandb.mode", "disabled",
             "--parallel.accumulate_unsharded", str(unsharded).lower(), "--profile.steps", "2-2",
             "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)]
-    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py", *argv])
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py",
+                   *argv])
     assert out.returncode == 0, out.stderr[-3000:]
     plan = step_time(load_config(argv), Layout(1, 2, 1), GPUS["h100"], 8)
     traces = sorted((run_dir / "profile").glob("rank*.json"))

@@ -382,7 +382,8 @@ def test_accumulation_auto_and_mfu_by_hand():
     N = 124,475,904 (50304 x 768 tied embedding + 1024 x 768 positions + 12 blocks of 7,087,872 + the final norm's
     1,536); fp32 gathers 4 bytes. `auto` holds it exactly when that fits the usable bytes, and with one microbatch
     holds nothing. The plan's MFU is its tokens/s x flops per token (798,031,872 at T=1024, PaLM's 6N + 12 L H T:
-    tests/test_observability.py) over 8 x the H100 SXM's 989.4 dense bf16 TFLOPS (its datasheet: 1,979 with sparsity)."""
+    tests/test_observability.py) over 8 x the H100 SXM's 989.4 dense bf16 TFLOPS (its datasheet: 1,979 with
+    sparsity)."""
     from hybridpar.planning.cost import GPUS, step_time
     from hybridpar.planning.layouts import choose_accumulation
 

@@ -190,7 +190,8 @@ def test_stray_entries_in_checkpoints_are_not_saves(tmp_path, cache_dir):
 
 
 # Each config field that a component reads, set away from its default, and where the component shows it (`t` the
-# Trainer start-up built, after one train_step; `before` its weights before it; `torch` imported): the value a broken hand-over would lose.
+# Trainer start-up built, after one train_step; `before` its weights before it; `torch` imported): the value a
+# broken hand-over would lose.
 ARRIVALS = [
     (["--optim.lr", "0.002", "--optim.warmup_steps", "0"], "t.optimizer.param_groups[0]['lr']", 0.002),
     (["--optim.beta1", "0.85", "--optim.beta2", "0.97"], "list(t.optimizer.param_groups[0]['betas'])", [0.85, 0.97]),

@@ -12,6 +12,7 @@ data-parallel ranks like a training batch, so its loss is the same number for ev
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -187,8 +188,6 @@ MAX_PASSES, FILES_OPEN_PER_PASS, FILES_OPEN_OTHERWISE = 256, 5, 256
 def check_pass_count(streams, needs: list[int], per_pass: list[int], drawn: list[int], n_batches: int) -> None:
     """Refuses a staged run whose streams need more passes than a process can hold open (RLIMIT_NOFILE) or than
     MAX_PASSES, naming the stream that needs the most and what would bring the count down."""
-    import resource
-
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     fd_bound = (soft - FILES_OPEN_OTHERWISE) // FILES_OPEN_PER_PASS if soft != resource.RLIM_INFINITY else MAX_PASSES
     most = max(1, min(MAX_PASSES, fd_bound))

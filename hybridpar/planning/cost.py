@@ -335,7 +335,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
       one reduce-scatter per step; with sharded accumulation every microbatch gathers in forward (and in backward
       with full_shard) and reduce-scatters; the root (embeddings, final norm, LM head), kept gathered from forward
       to backward, is gathered once a step or once a microbatch (fsdp_gather_bytes, fsdp_scatter_bytes: the
-      step's totals, full-tensor sizes, as measured on ranks in tests/test_parallel.py); with HSDP one fp32 all-reduce of the gradient shards across replicas;
+      step's totals, full-tensor sizes, as measured on ranks in tests/test_parallel.py); with HSDP one fp32
+      all-reduce of the gradient shards across replicas;
       over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with compute except
       the first block's all-gather and the last one's reduce-scatter.
     fp8 (train.fp8): the converted linears' FLOPs (the blocks', and the LM head's with fp8_linears=all) at the
