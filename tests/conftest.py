@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -174,6 +175,45 @@ def launcher(name: str):
     sys.modules[spec.name] = module  # (its dataclasses look their module up while they are built)
     spec.loader.exec_module(module)
     return module
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid`, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_job(agent: subprocess.Popen, timeout: float = 30) -> list[int]:
+    """SIGKILL a torchrun agent and its workers at once, as a node failure would, and wait until none runs. torchrun
+    starts each worker in a session of its own, so killing the agent's process group leaves them running (for up to
+    half a second, until they see the agent gone): a restart started at once would find the run dir still held.
+    Returns the workers' pids."""
+    workers = children(agent.pid)
+    for pid in [agent.pid, *workers]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait()
+    deadline = time.time() + timeout
+    while any(map(running, workers)) and time.time() < deadline:
+        time.sleep(0.02)
+    assert not any(map(running, workers)), f"workers {workers} still run {timeout}s after SIGKILL"
+    return workers
 
 
 def user_env(env: dict | None = None) -> dict:

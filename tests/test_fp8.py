@@ -6,7 +6,6 @@ plain weights in exports, and torchao never imported when fp8 is off."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, loss_curve, metrics_rows, run_cli, user_env
+from conftest import ROOT, kill_job, loss_curve, metrics_rows, run_cli, user_env
 from hybridpar.checkpoint.dcp import load_full_model_state
 from hybridpar.checkpoint.layout import checkpoint_dir
 from hybridpar.config.cli import load_config
@@ -270,9 +269,7 @@ def test_fp8_with_float8_all_gathers_resumes_bitwise_and_exports_plain_weights(t
         deadline = time.time() + 300
         while not (checkpoint_dir(run_dir, 4) / "COMPLETE").exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        import os
-        os.killpg(proc.pid, signal.SIGKILL)  # the agent and both ranks, at once
-        proc.wait()
+        assert len(kill_job(proc)) == 2  # the agent and both ranks, at once
     assert (checkpoint_dir(run_dir, 4) / "COMPLETE").exists()
     out = run_cli(_torchrun(_args(tmp_path, run_dir)))
     assert out.returncode == 0, out.stderr[-3000:]

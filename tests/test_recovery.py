@@ -8,31 +8,10 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli, step_rows, user_env
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _running(pid: int) -> bool:
-    try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
-        return False
+from conftest import ROOT, children, run_cli, running, step_rows, user_env
 
 
 @pytest.mark.multiprocess
@@ -52,14 +31,14 @@ def test_workers_stop_when_their_torchrun_agent_is_killed(tmp_path, cache_dir):
         while (not (run_dir / "metrics.jsonl").exists() or len(step_rows(run_dir)) < 6) and time.time() < deadline:
             assert agent.poll() is None, log.read_text()[-3000:]
             time.sleep(0.2)
-        workers = _children(agent.pid)
+        workers = children(agent.pid)
         assert len(workers) == 2, workers
         agent.send_signal(signal.SIGKILL)
         agent.wait()
         killed = time.time()
-        while any(map(_running, workers)) and time.time() < killed + 30:
+        while any(map(running, workers)) and time.time() < killed + 30:
             time.sleep(0.1)
-        assert not any(map(_running, workers)), f"workers {workers} still train {time.time() - killed:.0f}s after " \
+        assert not any(map(running, workers)), f"workers {workers} still train {time.time() - killed:.0f}s after " \
                                                 f"their agent was killed"
         size = (run_dir / "metrics.jsonl").stat().st_size
         time.sleep(1.0)
@@ -71,7 +50,7 @@ def test_workers_stop_when_their_torchrun_agent_is_killed(tmp_path, cache_dir):
                    f"once" in console, console[-3000:]
     finally:
         for pid in workers:  # only if the test failed with them still running
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
     # The same command, with fewer steps, resumes from the latest complete checkpoint.
     resumed = run_cli([*args[:2], "12", *args[3:]], env=dict(os.environ))
