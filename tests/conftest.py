@@ -11,9 +11,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +24,10 @@ import multiprocessing.process
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Tests never reach the network, and Hugging Face's caches (datasets' prepared JSON tasks) stay out of the user's
+# home: set before any library, or a warm world's worker, reads them.
+_HF_HOME = tempfile.mkdtemp(prefix="hybridpar-tests-hf-")
+os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=_HF_HOME)
 
 
 _RUNNING: dict = {}  # the test being set up or run: its id and whether it is marked multiprocess
@@ -100,7 +106,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     """One line: the tiers, the wall time, the interpreter starts; with HYBRIDPAR_COST_REPORT=FILE, per test file
-    (seconds, starts, tests) as JSON there."""
+    (seconds, starts, tests) and per test (seconds, starts) as JSON there."""
     unit = [n for n in SECONDS if n not in _MULTIPROCESS]
     wall = time.perf_counter() - _SESSION_START
     terminalreporter.write_line(
@@ -114,7 +120,8 @@ def pytest_terminal_summary(terminalreporter):
             f[0] += seconds
             f[1] += STARTS.get(nodeid, 0)
             f[2] += 1
-        Path(out).write_text(json.dumps(files, indent=1) + "\n")
+        tests = {n: [round(seconds, 2), STARTS.get(n, 0)] for n, seconds in SECONDS.items()}
+        Path(out).write_text(json.dumps({"files": files, "tests": tests}, indent=1) + "\n")
 
 
 _MULTIPROCESS: set[str] = set()
@@ -144,17 +151,16 @@ def one_process_group(tmp_path_factory):
 def run_cli(args: list[str], cwd: Path | None = None, timeout: float = 600,
             env: dict | None = None, warm: bool = True) -> subprocess.CompletedProcess:
     """Run a launch/ script as a user would (env: the environment, default this one's): `launch/X.py ...` and
-    `-m torch.distributed.run --standalone --nproc_per_node=N launch/X.py ...` in a warm world (tests/warm.py) when
-    the test leaves env and cwd alone; anything else, or warm=False (the process is what is tested), or
-    HYBRIDPAR_COLD=1 in the environment, in a fresh interpreter."""
+    `-m torch.distributed.run --standalone --nproc_per_node=N launch/X.py ...` in a warm world (tests/warm.py), in
+    cwd (default the project root), when the test leaves env alone; anything else, or warm=False (the process is
+    what is tested), or HYBRIDPAR_COLD=1 in the environment, in a fresh interpreter."""
     from warm import run_warm, warm_command
 
-    command = warm_command(args) if warm and cwd is None and env is None and not os.environ.get("HYBRIDPAR_COLD") \
-        else None
+    command = warm_command(args) if warm and env is None and not os.environ.get("HYBRIDPAR_COLD") else None
     if command is not None:
         if not _RUNNING.get("multiprocess"):
             raise AssertionError(f"{_RUNNING.get('nodeid')} runs a launcher: mark it @pytest.mark.multiprocess")
-        return run_warm(*command, user_env(), timeout)
+        return run_warm(*command, user_env(), timeout, cwd or ROOT)
     return subprocess.run([sys.executable, *args], cwd=cwd or ROOT, env=user_env(env), capture_output=True, text=True,
                           timeout=timeout)
 
@@ -163,6 +169,7 @@ def pytest_sessionfinish(session):
     from warm import stop_all
 
     stop_all()
+    shutil.rmtree(_HF_HOME, ignore_errors=True)
 
 
 def launcher(name: str):

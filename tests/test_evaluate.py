@@ -21,6 +21,7 @@ from hybridpar.errors import ConfigError
 from hybridpar.inference.evaluate import Scorer, run_task, vocab_parallel_logprobs
 from hybridpar.inference.generate import Sampling, generate
 from hybridpar.inference.tasks import read_task
+from warm import Results, spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 WORDS = "the a of to in is that for it as with was on be by this are or from at an which not have but".split()
@@ -248,8 +249,6 @@ def test_every_layout_generates_the_same_tokens_and_scores_the_same_numbers(tmp_
     """GPT-2 family (learned positions) and modern family (RoPE, GQA, SwiGLU) checkpoints, on 2 gloo ranks as tp 2,
     tp 2 with sequence parallelism, FSDP over 2 and replicated over 2, against one process: the same greedy and
     seeded-sampled tokens, the same accuracies, and log-likelihood metrics equal to 1e-5 (other reduction orders)."""
-    import torch.multiprocessing as mp
-
     from test_convert import _checkpoint
     from hybridpar.parallel.distributed import shutdown
 
@@ -264,8 +263,8 @@ def test_every_layout_generates_the_same_tokens_and_scores_the_same_numbers(tmp_
             reference[family] = _everything(ckpt, [], tasks)
         finally:
             shutdown()
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_layout_worker, args=(str(tmp_path / "init"), ckpts, tasks, results), nprocs=2, join=True)
+    results = Results()
+    spawn(_layout_worker, args=(str(tmp_path / "init"), ckpts, tasks, results), nprocs=2)
     for family, want in reference.items():
         # not a degenerate repetition (a random model: greedy repeats some tokens, sampling spreads)
         assert len({t for seq in want["greedy"] for t in seq}) >= 5 and len({t for seq in want["sampled"]
@@ -313,7 +312,6 @@ def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
         data = paths["cloze" if name == "gen" else name]
         (include / f"{name}.yaml").write_text(f"task: local_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
                                               f"    test: {data}\ntest_split: test\n{body}")
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
 
     def harness_run(name, model_args="", nproc=1):
         cmd = ["launch/harness.py", "--model", "hybridpar", "--model_args", f"checkpoint={ckpt},tokenizer=bytes"
@@ -321,7 +319,7 @@ def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
                "--batch_size", "4", "--output_path", str(tmp_path / name), "--log_samples"]
         if nproc > 1:
             cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd]
-        out = run_cli(cmd, env=env)
+        out = run_cli(cmd)  # (offline, with a cache of its own: conftest sets HF_* for the session)
         assert out.returncode == 0, out.stderr[-3000:]
         [result_file] = list((tmp_path / name).rglob("results_*.json"))  # one: rank 0's
         [samples] = list((tmp_path / name).rglob("samples_local_gen_*.jsonl"))

@@ -22,6 +22,7 @@ from hybridpar.config.cli import load_config
 from hybridpar.errors import ConfigError
 from hybridpar.parallel.fp8 import check_fp8, fp8_linear_names
 from hybridpar.planning.flops import peak_fp8_tflops, peak_tflops
+from warm import Results, spawn
 
 
 def _parallel_model(args):
@@ -194,13 +195,10 @@ def test_every_layout_gives_the_single_process_fp8_curve(tmp_path, cache_dir):
     bitwise: a dynamic scale is the amax of what a rank holds (its own microbatch under data parallelism), and
     rounding to float8 turns the summation-order differences of tensor parallelism into visible ones. The bf16/fp32
     contract (1e-5) holds for the same layouts with fp8 off (tests/test_parallel.py)."""
-    import torch.multiprocessing as mp
-
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_fp8_worker, args=(1, str(tmp_path / "init1"), str(cache_dir),
-                                [(r, (1, 1, 1)) for r in ("tensorwise", "rowwise", "off")], results), nprocs=1,
-             join=True)
-    mp.spawn(_fp8_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), CASES, results), nprocs=4, join=True)
+    results = Results()
+    spawn(_fp8_worker, args=(1, str(tmp_path / "init1"), str(cache_dir),
+                             [(r, (1, 1, 1)) for r in ("tensorwise", "rowwise", "off")], results), nprocs=1)
+    spawn(_fp8_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), CASES, results), nprocs=4)
     for recipe, layout in CASES:
         ref, _ = results[recipe, (1, 1, 1)]
         losses, skipped = results[recipe, layout]

@@ -14,6 +14,7 @@ from hybridpar.errors import ConfigError
 from hybridpar.models import build_model
 from hybridpar.training.muon import HIDDEN_MATRIX, newton_schulz
 from hybridpar.training.optim import build_optimizer
+from warm import Results, spawn
 
 MODERN = ["--model.norm", "rmsnorm", "--model.position", "rope", "--model.mlp", "swiglu", "--model.bias", "false",
           "--model.n_kv_heads", "4", "--model.tie_embeddings", "false"]
@@ -175,12 +176,10 @@ def test_every_layout_gives_the_single_process_muon_curve(tmp_path, cache_dir):
     under TP they drift from one process's by up to 2e-4 of a tensor's norm in 20 steps with AdamW as well
     (2026-12-01: (1, 1, 4), AdamW 1.6e-4, Muon 1.8e-4, with or without Q/K/V biases; the modern model 6e-6).
     """
-    import torch.multiprocessing as mp
-
-    results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_muon_worker, args=(1, str(tmp_path / "init1"), str(cache_dir),
-                                 [(m, (1, 1, 1), "owner") for m in MODELS], results), nprocs=1, join=True)
-    mp.spawn(_muon_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), CASES, results), nprocs=4, join=True)
+    results = Results()
+    spawn(_muon_worker, args=(1, str(tmp_path / "init1"), str(cache_dir), [(m, (1, 1, 1), "owner") for m in MODELS],
+                              results), nprocs=1)
+    spawn(_muon_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), CASES, results), nprocs=4)
     for model, layout, distribution in CASES:
         ref_losses, ref_weights, _ = results[model, (1, 1, 1), "owner"]
         losses, weights, skipped = results[model, layout, distribution]

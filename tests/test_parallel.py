@@ -10,6 +10,7 @@ from hybridpar.checkpoint.layout import checkpoint_dir
 from hybridpar.config.cli import load_config
 from hybridpar.parallel.distributed import resolve_degrees, world_from_env
 from hybridpar.parallel import check_layout
+from warm import Results, spawn
 
 # Global batch 16 in 2 microbatches per rank for every layout (micro = 16 / (2 x dp)): gradient accumulation 2.
 COMMON = ["--train.steps", "6", "--train.global_batch_size", "16", "--train.seq_len", "64", "--logging.interval", "1", "--train.eval_interval", "0",
@@ -303,15 +304,11 @@ def test_every_layout_accumulation_mode_and_adamw_kernel_gives_the_single_proces
     FSDP accumulating unsharded or sharded, and with the AdamW kernels CUDA picks: under tensor parallelism
     without FSDP some parameters stay plain tensors beside DTensors, which the fused and foreach kernels take only
     in separate groups."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    mp.spawn(_update_worker, args=(1, str(tmp_path / "init1"), str(cache_dir), [((1, 1, 1), True, "for-loop")], None,
-                                   results), nprocs=1, join=True)
+    results = Results()
+    spawn(_update_worker, args=(1, str(tmp_path / "init1"), str(cache_dir), [((1, 1, 1), True, "for-loop")], None,
+                                results), nprocs=1)
     ref = results["reference"]
-    mp.spawn(_update_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), UPDATE_CASES, ref, results), nprocs=4,
-             join=True)
+    spawn(_update_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), UPDATE_CASES, ref, results), nprocs=4)
     for layout, unsharded, kernel in UPDATE_CASES:
         for rank in range(4):
             same_names, error, kernels, skipped = results[rank, layout, unsharded, kernel]

@@ -20,6 +20,7 @@ from hybridpar.models import build_model
 from hybridpar.parallel import apply_activation_checkpointing
 from hybridpar.planning.cost import GIB, activation_bytes, memory
 from hybridpar.planning.shapes import Layout, chunk, local_shapes
+from warm import Results, spawn
 
 _spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "plan.py")
 plan_cli = importlib.util.module_from_spec(_spec)
@@ -258,10 +259,8 @@ def test_tp_activation_bytes_equal_what_each_rank_saves(tmp_path):
     The DTensor plan keeps the all-gathered input of each column-parallel projection (full sequence), the rest
     is split by tp (heads, FFN width) or, with SP, by the sequence; selective checkpointing keeps the sequence shard
     and re-gathers it in backward."""
-    import torch.multiprocessing as mp
-
-    results = mp.Manager().dict()
-    mp.spawn(_tp_worker, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
+    results = Results()
+    spawn(_tp_worker, args=(2, str(tmp_path / "init"), results), nprocs=2)
     for family in ("gpt", "modern"):
         cfg = load_config(["--model.name", "tiny"] + (MODERN_TINY if family == "modern" else []))
         for sp in (True, False):
@@ -332,10 +331,8 @@ def test_bytes_held_between_microbatches_equal_the_planner(tmp_path):
     fp32 gradients (8 bytes per parameter in fp32, 6 in bf16); sharded accumulation only the sharded fp32
     gradients (HSDP: FSDP's partial reduce-scatter output). Besides these, the scheduler holds two fp32 scalars
     (its loss sum and the microbatch's detached loss)."""
-    import torch.multiprocessing as mp
-
-    results = mp.Manager().dict()
-    mp.spawn(_accumulation_worker, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True)
+    results = Results()
+    spawn(_accumulation_worker, args=(2, str(tmp_path / "init"), results), nprocs=2)
     seen = set()
     for degrees, precision, unsharded in ACCUMULATION_CASES:
         cfg = load_config(["--model.name", "tiny", "--train.precision", precision, "--train.seq_len", "64",

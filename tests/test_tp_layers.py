@@ -5,14 +5,13 @@ still run the real collectives)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from warm import Results, spawn
 
 
 def _worker(rank: int, world: int, init_file: str, results) -> None:
@@ -97,14 +96,9 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
         dist.destroy_process_group()
 
 
-def test_tp_layers_loss_parallel_and_fsdp_accumulation(tmp_path, monkeypatch):
-    ctx = mp.get_context("spawn")
-    results = ctx.Manager().dict()
-    # For the two spawned workers only: monkeypatch restores the variable, so the test processes started after this
-    # test keep the thread count every other test runs with.
-    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-    mp.start_processes(_worker, args=(2, str(tmp_path / "init"), results), nprocs=2, join=True,
-                       start_method="spawn")
+def test_tp_layers_loss_parallel_and_fsdp_accumulation(tmp_path):
+    results = Results()
+    spawn(_worker, args=(2, str(tmp_path / "init"), results), nprocs=2)
     for rank in range(2):
         r = results[rank]
         assert r["mlp_out"] < 1e-5 and r["mlp_dx"] < 1e-5 and r["mlp_dw0"] < 1e-5 and r["mlp_dw2"] < 1e-5, r

@@ -4,13 +4,16 @@ and megatron-core imported once), each running launch/<script>.py jobs as `pytho
 variables, a fresh rendezvous port), working directory, arguments, stdout and stderr (file descriptors 1 and 2, so
 what C++ prints is caught too) and exit status. conftest.run_cli sends a launcher command here unless the test passes
 its own environment or directory, or asks for a real process (warm=False): signals, kill -9, the torchrun agent, a
-read-only disk and the one real torchrun launch per world size stay real processes.
+read-only disk and the one real torchrun launch per world size stay real processes. spawn() is
+torch.multiprocessing.spawn on the same worlds: multi-rank parity jobs (a function of a test module per rank) run
+there too.
 
 Between jobs a worker restores what a job may install process-wide: environment, working directory, signal
-handlers, sys.argv, the numerics flags (deterministic algorithms, TF32), torch.compile's caches, and a process
-group the job left (reported: the launcher destroys its own). A job that outlives its siblings' failure by
-GRACE_S (a collective waiting on a rank that exited, where torchrun's agent would end the others), or its timeout,
-costs its world a restart, as does a worker that dies."""
+handlers, sys.argv, torch's thread count and default RNG state (a fresh interpreter's), the numerics flags
+(deterministic algorithms, TF32), torch.compile's and DTensor's caches, and a process group the job left
+(reported: the launcher destroys its own). A job that outlives its siblings' failure by GRACE_S (a collective
+waiting on a rank that exited, where torchrun's agent would end the others), or its timeout, costs its world a
+restart, as does a worker that dies."""
 
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = 20.0
+RESULTS = "<results>"  # in a call's arguments: the dict the call fills, sent back to the caller
+_PRISTINE_RNG = None
 SIGNALS = [s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)]
 
 
@@ -46,17 +51,24 @@ def _recv(f):
     return json.loads(f.read(struct.unpack("<Q", head)[0]))
 
 
-def _run_job(script: str, argv: list[str], env: dict, cwd: str) -> tuple[int, str, str, list[str]]:
+def _run_job(kind: str, *job) -> tuple[int, str, str, list[str]]:
+    """Runs one job with fds 1 and 2 caught and what it installs process-wide put back: ("script", path, argv, env,
+    cwd) as `python path argv...` would, or ("call", module, name, rank, args_file, results_file, env, cwd):
+    module.name(rank, *args), the arguments read from args_file by torch.load, where the string RESULTS stands for
+    a dict the call fills and this worker saves to results_file. Returns (exit status, stdout, stderr, what it
+    left behind)."""
     import runpy
+    import threading
     import traceback
 
     import torch
     import torch.distributed as dist
 
-    import threading
-
+    env, cwd = job[-2:]
     saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
     saved_signals = {s: signal.getsignal(s) for s in SIGNALS}
+    saved_threads = torch.get_num_threads()
+    torch.set_rng_state(_PRISTINE_RNG)  # as a fresh interpreter's (torch seeds its default generator with a constant)
     files_before, threads_before = _open_files(), set(threading.enumerate())
     leftovers = []
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -67,9 +79,22 @@ def _run_job(script: str, argv: list[str], env: dict, cwd: str) -> tuple[int, st
             os.environ.clear()
             os.environ.update(env)
             os.chdir(cwd)
-            sys.argv = [script, *argv]
             try:
-                runpy.run_path(script, run_name="__main__")
+                if kind == "script":
+                    script, argv = job[:2]
+                    sys.argv = [script, *argv]
+                    runpy.run_path(script, run_name="__main__")
+                else:
+                    module, name, rank, args_file, results_file = job[:5]
+                    import importlib
+
+                    fn = importlib.import_module(module)
+                    for part in name.split("."):
+                        fn = getattr(fn, part)
+                    results: dict = {}
+                    args = [results if a == RESULTS else a for a in torch.load(args_file, weights_only=True)]
+                    fn(rank, *args)
+                    torch.save(results, results_file)
                 rc = 0
             except SystemExit as e:
                 rc = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
@@ -92,6 +117,12 @@ def _run_job(script: str, argv: list[str], env: dict, cwd: str) -> tuple[int, st
             if dist.is_initialized():
                 leftovers.append("a process group")
                 dist.destroy_process_group()
+            # DTensor caches each op's output placements keyed by a mesh that compares equal to the next job's mesh
+            # of the same shape: a hit would hand back a mesh whose process groups the job above destroyed.
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
+            torch.set_num_threads(saved_threads)
             torch.use_deterministic_algorithms(False)
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
             torch._dynamo.reset()
@@ -127,6 +158,8 @@ def _worker() -> None:
     import hybridpar.trainer  # noqa: F401  (torch.distributed, the models, the data layer)
     import megatron.core  # noqa: F401
 
+    global _PRISTINE_RNG
+    _PRISTINE_RNG = torch.get_rng_state()
     answers = os.fdopen(int(sys.argv[1]), "wb")
     requests = sys.stdin.buffer
     _send(answers, "ready")
@@ -152,7 +185,7 @@ class World:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
         if self.n > 1:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun sets for its workers
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
         for _ in range(self.n):
             r, w = os.pipe()
             proc = subprocess.Popen([sys.executable, str(Path(__file__)), str(w)], cwd=ROOT, env=env,
@@ -175,7 +208,9 @@ class World:
                 proc.stdin.close()
         self.procs = []
 
-    def run(self, script: str, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, job, label: list[str], env: dict, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+        """Gives rank r the job job(r) (see _run_job) with its rank's environment, in cwd; label names it in
+        messages."""
         if not self.procs:
             self._start()
         port = _free_port()
@@ -185,7 +220,7 @@ class World:
                 rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.n),
                                 LOCAL_WORLD_SIZE=str(self.n), GROUP_RANK="0", ROLE_RANK=str(rank),
                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            _send(proc.stdin, [script, argv, rank_env, str(ROOT)])
+            _send(proc.stdin, [*job(rank), rank_env, str(cwd)])
         results: dict[int, tuple] = {}
         deadline, failed_at = time.time() + timeout, None
         while len(results) < self.n:
@@ -207,7 +242,7 @@ class World:
                                                        f"warm worker {rank} timed out\n", []))
                 self.stop()
                 if now > deadline:
-                    raise subprocess.TimeoutExpired([script, *argv], timeout)
+                    raise subprocess.TimeoutExpired(label, timeout)
         if any(r[0] == -9 for r in results.values()):
             self.stop()
         codes = [results[r][0] for r in range(self.n)]
@@ -219,9 +254,9 @@ class World:
         leftovers = sorted({x for r in results.values() for x in r[3]})
         if leftovers:  # what a real process would have lost at exit is a leak in-process: the test fails on it
             self.stop()
-            raise AssertionError(f"{script} {' '.join(argv)[:200]}: the job left {', '.join(leftovers)} behind "
+            raise AssertionError(f"{' '.join(label)[:200]}: the job left {', '.join(leftovers)} behind "
                                  f"(close it on every path out)\n{stderr[-2000:]}")
-        return subprocess.CompletedProcess([script, *argv], rc, stdout, stderr)
+        return subprocess.CompletedProcess(label, rc, stdout, stderr)
 
 
 def _free_port() -> int:
@@ -234,8 +269,9 @@ WORLDS: dict[int, World] = {}
 
 
 def warm_command(args: list[str]) -> tuple[int, str, list[str]] | None:
-    """(world size, script, its arguments) of a launcher command the warm worlds run, or None: `launch/X.py ...`, or
-    `-m torch.distributed.run --standalone --nproc_per_node=N launch/X.py ...` with N in 2, 4."""
+    """(world size, script's path, its arguments) of a launcher command the warm worlds run, or None: `launch/X.py
+    ...` (or its absolute path), or `-m torch.distributed.run --standalone --nproc_per_node=N launch/X.py ...` with
+    N in 2, 4."""
     args = [str(a) for a in args]
     n = 1
     if args[:3] == ["-m", "torch.distributed.run", "--standalone"] and len(args) > 4:
@@ -246,15 +282,49 @@ def warm_command(args: list[str]) -> tuple[int, str, list[str]] | None:
         if n not in (2, 4):
             return None
     if not args or not (args[0].startswith("launch/") and args[0].endswith(".py")):
-        return None
-    return n, args[0], args[1:]
+        if not args or Path(args[0]).parent != ROOT / "launch":
+            return None
+    return n, str(ROOT / args[0]), args[1:]
 
 
-def run_warm(n: int, script: str, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    world = WORLDS.get(n)
-    if world is None:
-        world = WORLDS[n] = World(n)
-    return world.run(script, argv, env, timeout)
+def _world(n: int) -> World:
+    if n not in WORLDS:
+        WORLDS[n] = World(n)
+    return WORLDS[n]
+
+
+def run_warm(n: int, script: str, argv: list[str], env: dict, timeout: float,
+             cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return _world(n).run(lambda rank: ["script", script, argv], [script, *argv], env, timeout, cwd)
+
+
+class Results(dict):
+    """The results argument of a spawn(): each rank's call fills a plain dict in its place; spawn() merges them in."""
+
+
+def spawn(fn, args: tuple = (), nprocs: int = 1, timeout: float = 900) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs) on the warm world of nprocs ranks: rank r calls fn(r, *args).
+    fn is a module-level function of a test module; args go through torch.save (tensors, containers, numbers,
+    strings); a Results among them comes back filled with what the ranks put in it. A rank's exception fails the
+    caller with that rank's traceback."""
+    with tempfile.TemporaryDirectory(prefix="hybridpar-spawn-") as tmp:
+        import torch
+
+        args_file = os.path.join(tmp, "args.pt")
+        torch.save([RESULTS if isinstance(a, Results) else a for a in args], args_file)
+        out = [os.path.join(tmp, f"results{r}.pt") for r in range(nprocs)]
+        label = [f"{fn.__module__}.{fn.__qualname__}"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+        done = _world(nprocs).run(lambda rank: ["call", fn.__module__, fn.__qualname__, rank, args_file,
+                                                             out[rank]],
+                                  label, env, timeout)
+        if done.returncode != 0:
+            raise AssertionError(f"{label[0]} failed on {nprocs} warm rank(s):\n{done.stderr[-6000:]}")
+        filled = [torch.load(f, weights_only=True) for f in out]
+        for a in args:
+            if isinstance(a, Results):
+                for part in filled:
+                    a.update(part)
 
 
 def stop_all() -> None:
