@@ -1,4 +1,4 @@
-"""Warm launcher processes: worlds of 1, 2 and 4 Python processes started once per test session (torch, hybridpar
+"""Warm launcher processes: worlds of 1 to 4 Python processes started once per test session (torch, hybridpar
 and megatron-core imported once), each running launch/<script>.py jobs as `python launch/<script>.py ...` or
 `torchrun --standalone --nproc_per_node N launch/<script>.py ...` would: its own environment (torchrun's rank
 variables, a fresh rendezvous port), working directory, arguments, stdout and stderr (file descriptors 1 and 2, so
@@ -271,7 +271,7 @@ WORLDS: dict[int, World] = {}
 def warm_command(args: list[str]) -> tuple[int, str, list[str]] | None:
     """(world size, script's path, its arguments) of a launcher command the warm worlds run, or None: `launch/X.py
     ...` (or its absolute path), or `-m torch.distributed.run --standalone --nproc_per_node=N launch/X.py ...` with
-    N in 2, 4."""
+    N from 2 to 4."""
     args = [str(a) for a in args]
     n = 1
     if args[:3] == ["-m", "torch.distributed.run", "--standalone"] and len(args) > 4:
@@ -279,7 +279,7 @@ def warm_command(args: list[str]) -> tuple[int, str, list[str]] | None:
         if not flag.startswith("--nproc_per_node=") or not flag.partition("=")[2].isdigit():
             return None
         n, args = int(flag.partition("=")[2]), args[4:]
-        if n not in (2, 4):
+        if not 2 <= n <= 4:
             return None
     if not args or not (args[0].startswith("launch/") and args[0].endswith(".py")):
         if not args or Path(args[0]).parent != ROOT / "launch":
