@@ -282,7 +282,10 @@ def _live_bytes(model: torch.nn.Module) -> int:
     for t in tensors:
         t = t._local_tensor if hasattr(t, "_local_tensor") else t
         if t.device.type == "cpu":
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            try:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except RuntimeError:  # a storage without memory (a traced or fake tensor an earlier job left): none
+                continue
     return sum(storages.values())
 
 
