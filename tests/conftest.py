@@ -24,10 +24,15 @@ import multiprocessing.process
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Tests never reach the network, and Hugging Face's caches (datasets' prepared JSON tasks) stay out of the user's
-# home: set before any library, or a warm world's worker, reads them.
-_HF_HOME = tempfile.mkdtemp(prefix="hybridpar-tests-hf-")
-os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=_HF_HOME)
+_HF_HOME: list[str] = []
+
+
+def pytest_configure(config):
+    """Tests never reach the network, and Hugging Face's caches (datasets' prepared JSON tasks) stay out of the
+    user's home: set in the pytest process (not in the warm workers that import this module) before any library, or
+    a warm world's worker, reads them; removed at the end of the session."""
+    _HF_HOME.append(tempfile.mkdtemp(prefix="hybridpar-tests-hf-"))
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=_HF_HOME[0])
 
 
 _RUNNING: dict = {}  # the test being set up or run: its id and whether it is marked multiprocess
@@ -169,7 +174,8 @@ def pytest_sessionfinish(session):
     from warm import stop_all
 
     stop_all()
-    shutil.rmtree(_HF_HOME, ignore_errors=True)
+    for path in _HF_HOME:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def launcher(name: str):
