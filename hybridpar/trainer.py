@@ -358,9 +358,15 @@ class Trainer(StepStatus, Evaluation):
         for hook in self.hooks:
             hook.on_train_end(self)
         self.log.print(f"done: {self.step} steps in {result.wall_time:.1f}s")
-        self.log.close()
-        self.data.close()
+        self.close()
         return result
+
+    def close(self) -> None:
+        """Closes the metrics log (once opened) and the data; fit() calls it on its way out, the launcher after an
+        error; a second call does nothing."""
+        if self.log is not None:
+            self.log.close()
+        self.data.close()
 
     def _metrics(self, loss: float, lr: float, grad_norm: float, elapsed: float, steps: int,
                  tokens_per_step: int) -> dict:

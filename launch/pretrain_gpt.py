@@ -190,10 +190,8 @@ def main(cfg: Config, hooks=()) -> TrainResult:
             orphaned(why)
         raise
     finally:
-        if trainer is not None:  # (after an error: fit() closes both on its own way out)
-            if trainer.log is not None:
-                trainer.log.close()
-            trainer.data.close()
+        if trainer is not None:  # (after an error: fit() closes them on its own way out)
+            trainer.close()
         if run is not None and run.lock is not None:
             run.lock.release()
         trainer = None  # drop the model (and the process groups its DTensors hold) before the groups are destroyed

@@ -23,6 +23,8 @@ import multiprocessing.process
 
 import pytest
 
+from warm import user_env  # noqa: F401  (the tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
 _HF_HOME: list[str] = []
 
@@ -227,11 +229,6 @@ def kill_job(agent: subprocess.Popen, timeout: float = 30) -> list[int]:
         time.sleep(0.02)
     assert not any(map(running, workers)), f"workers {workers} still run {timeout}s after SIGKILL"
     return workers
-
-
-def user_env(env: dict | None = None) -> dict:
-    """`env` (default this process's environment) without torchrun's rank variables, as a user's shell has it."""
-    return {k: v for k, v in (env or os.environ).items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:

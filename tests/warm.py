@@ -57,6 +57,7 @@ def _run_job(kind: str, *job) -> tuple[int, str, str, list[str]]:
     module.name(rank, *args), the arguments read from args_file by torch.load, where the string RESULTS stands for
     a dict the call fills and this worker saves to results_file. Returns (exit status, stdout, stderr, what it
     left behind)."""
+    import importlib
     import runpy
     import threading
     import traceback
@@ -86,8 +87,6 @@ def _run_job(kind: str, *job) -> tuple[int, str, str, list[str]]:
                     runpy.run_path(script, run_name="__main__")
                 else:
                     module, name, rank, args_file, results_file = job[:5]
-                    import importlib
-
                     fn = importlib.import_module(module)
                     for part in name.split("."):
                         fn = getattr(fn, part)
@@ -182,7 +181,7 @@ class World:
         self.starts = 0
 
     def _start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+        env = user_env()
         if self.n > 1:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun sets for its workers
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH")]))
@@ -259,6 +258,12 @@ class World:
         return subprocess.CompletedProcess(label, rc, stdout, stderr)
 
 
+def user_env(env: dict | None = None) -> dict:
+    """`env` (default this process's environment) without torchrun's rank variables, as a user's shell has it."""
+    rank_variables = ("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_")
+    return {k: v for k, v in (env or os.environ).items() if not k.startswith(rank_variables)}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -281,9 +286,8 @@ def warm_command(args: list[str]) -> tuple[int, str, list[str]] | None:
         n, args = int(flag.partition("=")[2]), args[4:]
         if not 2 <= n <= 4:
             return None
-    if not args or not (args[0].startswith("launch/") and args[0].endswith(".py")):
-        if not args or Path(args[0]).parent != ROOT / "launch":
-            return None
+    if not args or not args[0].endswith(".py") or (ROOT / args[0]).parent != ROOT / "launch":
+        return None
     return n, str(ROOT / args[0]), args[1:]
 
 
@@ -314,10 +318,8 @@ def spawn(fn, args: tuple = (), nprocs: int = 1, timeout: float = 900) -> None:
         torch.save([RESULTS if isinstance(a, Results) else a for a in args], args_file)
         out = [os.path.join(tmp, f"results{r}.pt") for r in range(nprocs)]
         label = [f"{fn.__module__}.{fn.__qualname__}"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
-        done = _world(nprocs).run(lambda rank: ["call", fn.__module__, fn.__qualname__, rank, args_file,
-                                                             out[rank]],
-                                  label, env, timeout)
+        job = lambda rank: ["call", fn.__module__, fn.__qualname__, rank, args_file, out[rank]]  # noqa: E731
+        done = _world(nprocs).run(job, label, user_env(), timeout)
         if done.returncode != 0:
             raise AssertionError(f"{label[0]} failed on {nprocs} warm rank(s):\n{done.stderr[-6000:]}")
         filled = [torch.load(f, weights_only=True) for f in out]
