@@ -200,6 +200,9 @@ def main(cfg: Config, hooks=()) -> TrainResult:
             signal.signal(sig, handler)
 
 
+EVERY_RANK_ERROR_WAIT_S = 20  # seconds a rank other than 0 waits on a command-line error (cli())
+
+
 def cli(argv: list[str], hooks=()) -> int:
     """The command: its exit status (0 done, 2 a user's mistake, 3 diverged or past the spike limit, ...); hooks as
     main() takes them (tests/fault_drill.py)."""
@@ -222,6 +225,11 @@ def cli(argv: list[str], hooks=()) -> int:
     except UserError as e:  # user-caused: one line; anything else is an internal error and keeps its traceback
         if not (getattr(e, "on_every_rank", False) and world_from_env().rank != 0):  # said once, by rank 0
             print(f"error: {e}", file=sys.stderr)
+        elif world_from_env().world_size > 1:
+            # A launcher stops every rank when the first one fails (torchrun, srun --kill-on-bad-exit): had this rank
+            # exited first, rank 0 could be stopped before it said the error. Rank 0 fails on the same line, so wait
+            # to be stopped with it; the bound only matters if no launcher stops this rank.
+            time.sleep(EVERY_RANK_ERROR_WAIT_S)
         return 2
     return EXIT_PREEMPTED if result.preempted else 0
 
