@@ -45,6 +45,39 @@ def _for_rank(argv: list[str], rank: int) -> list[str]:
     return out
 
 
+def _option(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """The values given to an option (`--x a b`, `--x=a,b`), split at commas; [] when it is absent."""
+    out, taking = [], False
+    for a in argv:
+        if a.split("=")[0] in names:
+            taking = "=" not in a
+            out += a.split("=", 1)[1].split(",") if "=" in a else []
+        elif taking and not a.startswith("-"):
+            out += a.split(",")
+        else:
+            taking = False
+    return [v for v in out if v]
+
+
+def _index_include_path_only(argv: list[str]) -> None:
+    """When every task named is a task (not a group, tag or file) that --include_path defines, lm-eval indexes only
+    that path: its ~13,000 built-in task files are never read (indexing them took 23 s of a 30 s evaluation of four
+    local tasks on a 2-core machine). Anything else (a built-in task, a group, a path) keeps lm-eval's full index."""
+    include, tasks = _option(argv, ("--include_path",)), _option(argv, ("--tasks", "-t"))
+    if len(include) != 1 or not tasks:
+        return
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager
+
+    local = TaskManager(include_path=include[0], include_defaults=False).all_subtasks
+    if all(t in local for t in tasks):
+        class IncludePathOnly(TaskManager):
+            def __init__(self, *args, include_defaults: bool = False, **kwargs):
+                super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+        lm_eval.tasks.TaskManager = IncludePathOnly  # lm-eval's command line builds its manager from here
+
+
 def main() -> int:
     # Python put launch/ first on sys.path, and launch/evaluate.py would shadow Hugging Face's `evaluate` package,
     # which lm-eval imports for some metrics: this command needs nothing from launch/.
@@ -63,6 +96,7 @@ def main() -> int:
     sys.argv[1:] = _for_rank(sys.argv[1:], rank)
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # one results table, from rank 0
+    _index_include_path_only(sys.argv[1:])
     import hybridpar.interop.lm_eval  # noqa: F401  (registers --model hybridpar)
     from hybridpar.errors import UserError
     from hybridpar.parallel.distributed import shutdown

@@ -296,6 +296,33 @@ HARNESS_TASKS = {
 }
 
 
+@pytest.mark.multiprocess  # (importing lm-eval runs ldconfig)
+def test_harness_indexes_only_the_include_path_when_every_task_is_there(tmp_path):
+    """launch/harness.py skips lm-eval's built-in task index only when every task named is a task of --include_path:
+    a built-in task, a group of the include path or a file path beside them keeps the full index."""
+    import lm_eval.tasks
+
+    harness, full = launcher("harness"), lm_eval.tasks.TaskManager
+    (tmp_path / "a.yaml").write_text("task: mine_a\ndataset_path: json\noutput_type: loglikelihood\n")
+    (tmp_path / "b.yaml").write_text("task: mine_b\ndataset_path: json\noutput_type: loglikelihood\n")
+    (tmp_path / "g.yaml").write_text("group: mine_group\ntask: [mine_a, hellaswag]\n")
+    base = ["--model", "hybridpar", "--include_path", str(tmp_path)]
+    assert harness._option(base + ["--tasks", "mine_a,mine_b", "x", "--batch_size", "4"], ("--tasks", "-t")) == \
+        ["mine_a", "mine_b", "x"]
+    assert harness._option(["-t=a,b", "--limit", "3"], ("--tasks", "-t")) == ["a", "b"]
+    try:
+        for tasks in (["mine_a", "hellaswag"], ["mine_group"], ["mine_a", str(tmp_path / "b.yaml")]):
+            harness._index_include_path_only(base + ["--tasks", *tasks])
+            assert lm_eval.tasks.TaskManager is full, tasks
+        harness._index_include_path_only(["--tasks", "mine_a"])  # no include path
+        assert lm_eval.tasks.TaskManager is full
+        harness._index_include_path_only(base + ["--tasks", "mine_a", "mine_b"])
+        manager = lm_eval.tasks.TaskManager(include_path=str(tmp_path))
+        assert isinstance(manager, full) and sorted(manager.all_subtasks) == ["mine_a", "mine_b"]
+    finally:
+        lm_eval.tasks.TaskManager = full
+
+
 @pytest.mark.multiprocess
 def test_lm_eval_harness_on_local_tasks_equals_hybridpars_evaluator(tmp_path):
     """`launch/harness.py --model hybridpar` (lm-eval's own command line, tasks defined from local JSONL files,
