@@ -151,8 +151,15 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, where: Where) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), where))
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+        x = x + self.attn_branch(x, where)
+        return x + self.mlp_branch(x)
+
+    # The two residual branches, each a method so that activation checkpointing can wrap them one at a time.
+    def attn_branch(self, x: torch.Tensor, where: Where) -> torch.Tensor:
+        return self.drop(self.attn(self.attn_norm(x), where))
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.mlp(self.mlp_norm(x)))
 
 
 class GPT(nn.Module):

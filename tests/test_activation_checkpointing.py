@@ -37,6 +37,31 @@ def test_modes_give_identical_gradients_and_save_less():
     assert full_all < selective < bytes_none
 
 
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_selective_recomputes_no_matmul_and_full_recomputes_the_forward(mlp):
+    """Matmul FLOPs of one forward + backward (torch's FlopCounterMode; it counts no attention kernel on the CPU):
+    selective equals none (the output and down projections are neither kept nor recomputed); full recomputes each
+    block's forward up to the down projection's input (recomputation stops once backward has what it needs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(mode: str) -> int:
+        torch.manual_seed(0)
+        cfg = get_model_config("tiny", n_layers=2, vocab_size=512, mlp=mlp)
+        model = build_model(cfg, device="cpu")
+        apply_activation_checkpointing(model, mode)
+        x = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
+        with FlopCounterMode(display=False) as counter:
+            model(x).float().sum().backward()
+        return counter.get_total_flops()
+
+    none, selective, full = flops("none"), flops("selective"), flops("full")
+    cfg = get_model_config("tiny", n_layers=2, vocab_size=512, mlp=mlp)
+    H, F, T, L = cfg.d_model, cfg.ffn_dim, 2 * 64, cfg.n_layers
+    # by hand: q, k, v, o (4 H x H) and the MLP's up (and gate) H x F, 2 FLOPs a multiply-add, per token
+    block = 2 * T * (4 * H * H + (2 if mlp == "swiglu" else 1) * H * F)
+    assert selective == none and full == none + L * block
+
+
 def test_wrapped_parameters_keep_their_names():
     _, _, _, model = _run("full", 2)
     plain = set(build_model(get_model_config("tiny", n_layers=4, vocab_size=512), device="meta",

@@ -69,43 +69,64 @@ def uses_fsdp(cfg: Config, dp: int) -> bool:
     return dp > 1 or cfg.train.precision == "bf16"
 
 
+def _ops(*names: tuple[str, str]) -> frozenset:
+    """The default overloads of the named ops that this torch build has."""
+    packets = (getattr(getattr(torch.ops, ns), name, None) for ns, name in names)
+    return frozenset(p.default for p in packets if p is not None)
+
+
 @functools.cache
-def _saved_by_selective() -> frozenset:
-    """Ops whose outputs selective checkpointing keeps: the matmuls, fused attention (output and log-sum-exp) and
-    the reduce-scatter / all-reduce that end a TP region. Everything else in a block (norms, RoPE, the MLP's
-    activation, residual adds, dropout, the sequence-parallel all-gathers) is recomputed in backward."""
-    ops = []
-    for ns, name in [("aten", "mm"), ("aten", "addmm"), ("aten", "bmm"),
-                     ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
-                     ("aten", "_scaled_dot_product_flash_attention"),
-                     ("aten", "_scaled_dot_product_efficient_attention"),
-                     ("aten", "_scaled_dot_product_cudnn_attention"), ("_c10d_functional", "reduce_scatter_tensor"),
-                     ("_c10d_functional", "all_reduce")]:
-        packet = getattr(getattr(torch.ops, ns), name, None)
-        if packet is not None:
-            ops.append(packet.default)
-    return frozenset(ops)
+def _selective_ops() -> tuple[frozenset, frozenset]:
+    """(linear, kept): the ops of a linear layer (a matmul, fp8's scaled matmul) and the other ops whose outputs
+    selective checkpointing keeps (fused attention's output and log-sum-exp; the math kernel's batched matmuls)."""
+    linear = _ops(("aten", "mm"), ("aten", "addmm"), ("aten", "_scaled_mm"))
+    kept = _ops(("aten", "bmm"), ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+                ("aten", "_scaled_dot_product_flash_attention"), ("aten", "_scaled_dot_product_efficient_attention"),
+                ("aten", "_scaled_dot_product_cudnn_attention"))
+    return linear, kept
 
 
-def selective_contexts():
-    """The context pair of one selectively checkpointed forward (torch.utils.checkpoint's op-level policy)."""
+def selective_contexts(n_linears: int):
+    """The context pair of one selectively checkpointed residual branch (torch.utils.checkpoint's op-level
+    policy) whose `n_linears` linear layers run in this order: the outputs of all but the last and of the attention
+    kernel are kept, everything else is recomputed in backward (the norm, RoPE, the MLP's activation, the
+    sequence-parallel all-gather). The last linear (the output or down projection, row-parallel under TP) is
+    neither kept nor recomputed: backward needs its input, not its output, and recomputation stops once it has
+    what backward needs, so its full-width partial sums and the reduce-scatter after them are never held."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    save = _saved_by_selective()
+    linear, kept = _selective_ops()
+    met = {False: 0, True: 0}  # linear ops met in the forward and in the recomputation of this call
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+        if op in linear:
+            met[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if met[ctx.is_recompute] < n_linears else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
 
+def _checkpointed(fn, n_linears: int, preserve_rng: bool):
+    """fn, selectively checkpointed (selective_contexts) on every call."""
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(fn)
+    def run(*args):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng,
+                          context_fn=run.context_fn)
+    run.context_fn = functools.partial(selective_contexts, n_linears)  # (read at each call: dry_run records it)
+    return run
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, preserve_rng: bool = False) -> None:
     """none: keep every activation. full: recompute whole blocks 0, every, 2*every, ... in backward (a block keeps
-    only its input). selective: every block keeps its input and the outputs of its matmuls and fused attention, and
-    recomputes the cheap rest in backward (norms, RoPE, the MLP's activation, residual adds; under sequence
-    parallelism also the all-gathers, so a block keeps the sequence shard as Megatron-LM does): no matmul FLOPs are
-    recomputed. Wraps in place; parameter names are unchanged in checkpoints (DCP's state-dict helpers strip the
-    wrapper's prefix)."""
+    only its input). selective: each residual branch of every block (norm + attention, norm + MLP) is checkpointed
+    on its own and keeps its input, the outputs of its linears but the last and of the attention kernel; backward
+    recomputes the cheap rest (norms, RoPE, the MLP's activation; under sequence parallelism the all-gathers, so a
+    branch keeps the sequence shard as Megatron-LM does) and no matmul. Wraps in place; parameter names are
+    unchanged in checkpoints (full: DCP's state-dict helpers strip the wrapper's prefix; selective wraps the
+    blocks' branch methods, not modules)."""
     if mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -114,8 +135,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, 
         if mode == "full" and i % every == 0:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng)
         elif mode == "selective":
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng,
-                                                 context_fn=selective_contexts)
+            mlp_linears = 3 if getattr(block.mlp, "swiglu", False) else 2
+            block.attn_branch = _checkpointed(block.attn_branch, 4, preserve_rng)  # q, k, v, then the output
+            block.mlp_branch = _checkpointed(block.mlp_branch, mlp_linears, preserve_rng)  # (gate,) up, then down
 
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:

@@ -131,10 +131,10 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
         kept_layers = (L - ckpt) * layer + ckpt * block_input
         recompute = layer  # backward re-runs one checkpointed block at a time
     elif ac == "selective":
-        # The block's input, and the outputs of its matmuls (q, k, v; wo and down as the local (tokens, H) partial
-        # sums, plus the reduce-scatter / all-reduce output that ends each TP region) and of fused attention.
-        ends_tp = (a * H / s) if tp > 1 else 0
-        kept = (r * H / s + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh + 2 * (a * H + ends_tp)
+        # Each branch's input (the residual stream, its sequence shard under SP), and the outputs of its linears
+        # but the last (q, k, v; the MLP's first matmuls) and of fused attention (also the output projection's
+        # input). The output and down projections' outputs are neither kept nor recomputed.
+        kept = (2 * r * H / s + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh
                 + a * (2 if m.mlp == "swiglu" else 1) * F / tp) * tokens
         kept_layers = L * kept
         recompute = max(0, layer - kept)  # what one block recomputes in backward: norms, RoPE, activation, ...

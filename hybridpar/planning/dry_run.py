@@ -112,7 +112,8 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
     excluded; with targets, through the loss: `fused` (the model's chunked LM head + loss) or `plain` (logits,
     then hybridpar's token_loss_sum). A checkpointed block shows up as the input it keeps, and a selectively
     checkpointed one also as the op outputs its policy cached (read from torch.utils.checkpoint's cache, whose
-    forward contexts each checkpoint wrapper's context_fn is wrapped to record for the call)."""
+    forward contexts each checkpoint wrapper's, or each selectively checkpointed branch's, context_fn is wrapped to record
+    for the call)."""
     from hybridpar.training.microbatch import chunked_loss, logits_loss
 
     params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
@@ -132,11 +133,15 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
             forward, recompute = context_fn()
             contexts.append(forward)
             return forward, recompute
+        contexts_of_one_forward.__wrapped__ = context_fn
         return contexts_of_one_forward
 
     wrappers = [m for m in model.modules() if "context_fn" in getattr(getattr(m, "checkpoint_fn", 0), "keywords", {})]
     for m in wrappers:
         m.checkpoint_fn = partial(m.checkpoint_fn, context_fn=recording(m.checkpoint_fn.keywords["context_fn"]))
+    branches = [f for m in model.modules() for f in vars(m).values() if hasattr(f, "context_fn")]  # selective's
+    for f in branches:
+        f.context_fn = recording(f.context_fn)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
             if targets is None:
@@ -146,6 +151,8 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
     finally:
         for m in wrappers:
             m.checkpoint_fn = m.checkpoint_fn.func
+        for f in branches:
+            f.context_fn = f.context_fn.__wrapped__
     for forward in contexts:  # torch's caching mode: {op key: {call index: _VersionWrapper(tensor) or a marker}}
         for calls in forward.storage.values():
             for entry in calls.values():
