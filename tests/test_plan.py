@@ -417,3 +417,29 @@ def test_accumulation_auto_and_mfu_by_hand():
     assert GPUS["h100"].peak_tflops == 989.4
     assert plan["mfu"] == pytest.approx(plan["tokens_per_sec"] * 798_031_872 / (8 * 989.4e12), rel=1e-12)
     assert plan["tokens_per_sec"] == pytest.approx(64 * 1024 / plan["step_time_s"], rel=1e-12)
+
+
+def test_published_rows_beside_their_plans():
+    """KempnerForge's H200 sweep against the planner (hybridpar/planning/published.py): the transcription agrees with
+    itself (published tokens/s = tokens per step / step time, and the parameter counts the sweep states), the table
+    in docs/planning.md is the one the code prints, and which rows the planner reaches: memory (each planned under
+    the recipe the row ran with) within 15% on every row but row 2; step time within 10% on four rows only: the
+    time model is not calibrated yet (docs/planning.md says why each is off)."""
+    from hybridpar.models import get_model_config
+    from hybridpar.planning.flops import matmul_params
+    from hybridpar.planning.published import ROWS, SEQ, compare, config, table
+
+    for row in ROWS:
+        tokens = row.dp_shard * row.micro * row.accumulation * SEQ
+        assert abs(tokens / row.step_s / row.tokens_per_s - 1) < 0.005, row
+    # the sweep's stated sizes: 8.03B, 14.84B, 70.55B parameters (embeddings, norms and LM head included)
+    for model, billions in (("7B", 8.03), ("13B", 14.84), ("70B", 70.55)):
+        m = config(next(r for r in ROWS if r.model == model)).model
+        total = matmul_params(m) + m.vocab_size * m.d_model + (2 * m.n_layers + 1) * m.d_model
+        assert round(total / 1e9, 2) == billions, (model, total)
+    assert get_model_config("gpt-modern-7b").ffn_dim == 14336
+    doc = (ROOT / "docs" / "planning.md").read_text()
+    assert table() in doc
+    rows = compare()
+    assert {c["row"].n for c in rows if abs(c["memory_error"]) > 0.15} == {2}
+    assert {c["row"].n for c in rows if abs(c["step_error"]) <= 0.10} == {5, 8, 9, 14}

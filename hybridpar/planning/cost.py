@@ -325,8 +325,8 @@ def root_gather_bytes(cfg: Config, layout: Layout) -> int:
 def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict:
     """Estimated seconds of one optimizer step, by part.
 
-    compute: model FLOPs, plus the recomputed forward (a third of a fully checkpointed block's FLOPs; selective
-      checkpointing recomputes no matmul), at gemm_efficiency(micro-batch tokens) of the peak.
+    compute: model FLOPs, plus the recomputed forward of each fully checkpointed block up to its down projection
+      (selective checkpointing recomputes no matmul), at gemm_efficiency(micro-batch tokens) of the peak.
     tp: per layer and microbatch, 2 all-reduces forward and 2 backward of the (tokens, H) activations (reduce-
       scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2, plus under SP the all-gathers
       of inputs kept as sequence shards (2 per block, 1 for the LM head); over NVLink; not overlapped.
@@ -354,8 +354,10 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     parts = flops_parts(m, t.seq_len)
     fpt = sum(parts.values())
     ckpt = len(range(0, m.n_layers, t.ac_every)) if t.activation_checkpointing == "full" else 0
-    layer_share = 1 - parts["head"] / fpt  # FLOPs in the blocks, not the LM head
-    recompute = 1 + layer_share * ckpt / m.n_layers / 3
+    # a fully checkpointed block recomputes its forward up to the down projection's input: recomputation stops once
+    # backward has what it needs (measured with FlopCounterMode: tests/test_activation_checkpointing.py)
+    block_forward = (parts["blocks"] + parts["attention"]) / m.n_layers / 3
+    recompute = 1 + ckpt * (block_forward - 2 * m.d_model * m.ffn_dim) / fpt
     fp8 = t.fp8 != "off" and gpu.peak_fp8_tflops > 0
     fp8_share = (parts["blocks"] + (parts["head"] if t.fp8_linears == "all" else 0)) / fpt if fp8 else 0.0
     per_flop = (1 - fp8_share) / gpu.peak_tflops + fp8_share / (gpu.peak_fp8_tflops if fp8 else 1.0)
