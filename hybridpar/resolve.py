@@ -5,15 +5,17 @@ any model is built or any data prepared. The trainer, launch/plan.py, launch/ben
 The order (docs/training.md walks it):
  0. the same config on every rank (compared at once: a rank started with other arguments stops every rank)
  1. run name and dir: run.name (the --config file's name, else the model's), run.dir = runs/<name>
- 2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size;
+ 2. degrees: parallel.fsdp_strategy's names (hybrid_shard, no_shard) and the -1 filled from the world size
+    (parallel.layout=auto: chosen at 6);
     the sample count (train.steps x global batch) whose index the data layer must hold in memory; data.stages
  3. precision: bf16 on GPUs that support it, fp32 on the CPU; train.fp8 on this device (torchao importable, float8
     tensor cores on a GPU); the downstream tasks (train.eval_tasks' default)
  4. the run dir's lock (a run owns its dir from here), the checkpoint to load and the W&B id it recorded
  5. the tokenizer, loaded once, and the model's vocabulary from it (padded to vocab_multiple, whatever the layout)
- 6. the layout's divisibility rules, with the final vocabulary; the micro-batch size
- 7. the device's usable memory (the minimum over ranks), the accumulation mode, the memory refusal (with
-    data.stages, for the longest stage's sequences)
+ 6. the device's usable memory (the minimum over ranks); with parallel.layout=auto the planner's fastest layout
+    that fits it (degrees, FSDP strategy, micro-batch, checkpointing; written as manual); the layout's
+    divisibility rules, with the final vocabulary; the micro-batch size
+ 7. the accumulation mode, the memory refusal (with data.stages, for the longest stage's sequences)
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
 from hybridpar.parallel.fp8 import check_fp8
 from hybridpar.parallel.distributed import WorldInfo, gpus_per_node, resolve_degrees
-from hybridpar.planning.layouts import choose_accumulation, gpu_by_name, refuse_if_too_big, usable_bytes
-from hybridpar.planning.cost import GPU
+from hybridpar.planning.layouts import (check_auto, choose_accumulation, choose_layout, describe_choice, gpu_by_name,
+                                        refuse_if_too_big, usable_bytes)
+from hybridpar.planning.cost import GPU, GPUS
 from hybridpar.planning.shapes import Layout
 
 
@@ -56,6 +59,7 @@ class Run:
     run_state: Mapping  # that checkpoint's run_state.json ({} without one)
     lock: RunDirLock | None  # held by rank 0 of a run that owns its run dir
     stages: StagePlan | None = None  # data.stages, parsed once (hybridpar.data.stages)
+    layout_choice: str | None = None  # parallel.layout=auto: the choice and the runner-up, said at start
 
     @property
     def microbatches(self) -> int:
@@ -246,7 +250,12 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     run_dir = Path(cfg.run.dir) if cfg.run.dir else Path("runs") / (cfg.run.name or cfg.model.name)  # 1
     cfg = replace(cfg, run=replace(cfg.run, name=cfg.run.name or cfg.model.name, dir=str(run_dir)))
     node = world.local_world_size if gpu is not None else gpus_per_node(device, world)
-    dp_replicate, dp_shard, tp = resolve_degrees(cfg.parallel, world.world_size, world.local_world_size)  # 2
+    auto = cfg.parallel.layout == "auto"
+    if auto:  # chosen at 6; until then a placeholder of the same world
+        check_auto(cfg)
+        dp_replicate, dp_shard, tp = 1, world.world_size, 1
+    else:
+        dp_replicate, dp_shard, tp = resolve_degrees(cfg.parallel, world.world_size, world.local_world_size)  # 2
     layout = Layout(dp_replicate, dp_shard, tp)
     check_sample_count(cfg)
     stages = _stage_plan(cfg, tp)
@@ -266,10 +275,22 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         model = replace(cfg.model, vocab_size=vocab_size_for(cfg, tokenizer))
         cfg = replace(cfg, model=model, parallel=parallel, train=train,
                       logging=replace(cfg.logging, wandb=wandb))
-        check_layout(cfg, (dp_replicate, dp_shard, tp), node)  # 6
+        usable = gpu.usable_bytes if gpu is not None else _min_over_ranks(usable_bytes(device), device)
+        choice = None
+        if auto:  # 6: the planner's fastest layout that fits (every rank computes the same from the same inputs)
+            plan_gpu = gpu or (gpu_by_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else GPUS["h100"])
+            cfg, rows = choose_layout(longest_stage(cfg, stages, world.world_size), world.world_size,
+                                      node or world.local_world_size, plan_gpu, usable)  # (the CPU: no node bound)
+            choice, p = describe_choice(rows), cfg.parallel
+            dp_replicate, dp_shard, tp = p.dp_replicate, p.dp_shard, p.tp
+            layout, parallel = Layout(dp_replicate, dp_shard, tp), replace(p, layout="manual")
+            train = replace(train, micro_batch_size=cfg.train.micro_batch_size,  # (cfg: the longest stage's)
+                            activation_checkpointing=cfg.train.activation_checkpointing, ac_every=1)
+            cfg = replace(cfg, parallel=parallel, train=train)
+            stages = _stage_plan(cfg, tp)
+        check_layout(cfg, (dp_replicate, dp_shard, tp), node)
         cfg = replace(cfg, train=replace(train, micro_batch_size=micro_batch_size_for(cfg, layout.dp)))
-        usable = gpu.usable_bytes if gpu is not None else _min_over_ranks(usable_bytes(device), device)  # 7
-        accumulate = choose_accumulation(longest_stage(cfg, stages, layout.dp), layout, usable)
+        accumulate = choose_accumulation(longest_stage(cfg, stages, layout.dp), layout, usable)  # 7
         cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=accumulate))
         if gpu is None and device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, now
             name = torch.cuda.get_device_name(device)
@@ -279,4 +300,4 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
             lock.release()
         raise
     return Run(cfg, world, device, layout, tokenizer, run_dir, load_from, MappingProxyType(dict(run_state)), lock,
-               stages)
+               stages, choice)

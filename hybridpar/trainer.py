@@ -290,6 +290,8 @@ class Trainer(StepStatus, Evaluation):
             f"{self.run.microbatches} microbatch(es) of {t.micro_batch_size} per rank"
             + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss)
                else ""))
+        if self.run.layout_choice:
+            self.log.print(self.run.layout_choice)
         hosts = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
         self.log.print(f"{len(hosts)} rank(s) on {len(set(hosts))} host(s): "

@@ -64,7 +64,8 @@ def parse(argv: list[str]):
     world_info = WorldInfo(a.rank, world, a.rank % c.gpus_per_node, c.gpus_per_node)
     run = resolve(cfg, world_info, torch.device("meta"), tokenizer=_Vocabulary(cfg.model.vocab_size),
                   gpu=GPUS[c.gpu])
-    return a, longest_stage(run.cfg, run.stages, run.layout.dp), run.layout  # (with stages: the longest's batches)
+    return a, longest_stage(run.cfg, run.stages, run.layout.dp), run.layout, run.layout_choice  # (with stages:
+    #                                                                                      the longest's batches)
 
 
 class _Vocabulary:
@@ -96,6 +97,8 @@ def report(a, cfg, layout: Layout) -> dict:
 def print_report(out: dict) -> None:
     g = lambda b: f"{b / GIB:9.2f} GiB"  # noqa: E731
     lay = out["layout"]
+    if out.get("layout_choice"):
+        print(out["layout_choice"])
     print(f"{out['model']} on {out['nodes']} x {out['gpus_per_node']} {out['gpu']} | dp_replicate "
           f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']} | batch {out['global_batch_size']} "
           f"x {out['seq_len']}, micro {out['micro_batch_size']}, {out['precision']}, AC {out['activation_checkpointing']}, "
@@ -136,8 +139,9 @@ def main(argv: list[str]) -> int:
         parsed = parse(argv)
         if parsed is None:
             return 0
-        a, cfg, layout = parsed
+        a, cfg, layout, choice = parsed
         out = report(a, cfg, layout)
+        out["layout_choice"] = choice  # parallel.layout=auto: the choice and the runner-up (None otherwise)
         if a.dry_run:
             from hybridpar.planning.dry_run import dry_run
 

@@ -108,6 +108,38 @@ def test_layout_gives_the_single_process_loss_curve(layout, nproc, extra, refere
     assert_same_weights(_final_weights(tmp_path / "run"), ref_weights)
 
 
+@pytest.mark.multiprocess
+def test_layout_auto_on_four_ranks_trains_the_single_process_curve(reference, tmp_path, cache_dir):
+    """--parallel.layout auto on 4 gloo ranks: the run says the planner's choice (the first layout the planner ranks
+    for this world, computed here) with its runner-up, runs that mesh and micro-batch, writes them into config.yaml
+    as a manual layout, and trains the single-process curve and weights."""
+    from dataclasses import replace
+
+    from hybridpar.planning.cost import GPUS
+    from hybridpar.planning.layouts import choose_layout
+
+    run_dir = tmp_path / "auto"
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "launch/pretrain_gpt.py",
+                   *COMMON, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), "--parallel.layout", "auto"])
+    assert out.returncode == 0, out.stderr[-4000:]
+    cfg = load_config([*COMMON, "--model.vocab_size", "4096"])
+    chosen, rows = choose_layout(replace(cfg, parallel=replace(cfg.parallel, layout="manual")), 4, 4, GPUS["h100"],
+                                 2 ** 40)
+    p = chosen.parallel
+    assert f"layout auto: dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x tp {p.tp}, micro-batch " \
+           f"{chosen.train.micro_batch_size}" in out.stdout and "; runner-up: " in out.stdout, out.stdout
+    assert f"'dp_replicate': {p.dp_replicate}, 'dp_shard': {p.dp_shard}, 'tp': {p.tp}" in out.stdout
+    saved = load_config(["--config", str(run_dir / "config.yaml")])
+    assert saved.parallel.layout == "manual" and (saved.parallel.tp, saved.train.micro_batch_size) == \
+        (p.tp, chosen.train.micro_batch_size)
+    ref_losses, ref_weights, _ = reference
+    losses = loss_curve(run_dir)
+    assert sorted(losses) == sorted(ref_losses)
+    for step, want in ref_losses.items():
+        assert abs(losses[step] - want) <= 1e-5 * abs(want), (losses, ref_losses)
+    assert_same_weights(_final_weights(run_dir), ref_weights)
+
+
 def test_degrees_fill_and_mismatch():
     cfg = load_config([])
     assert resolve_degrees(cfg.parallel, 8) == (1, 8, 1)

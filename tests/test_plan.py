@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, launcher, run_cli
 from hybridpar.config.cli import load_config
 from hybridpar.planning.dry_run import saved_activation_bytes
 from hybridpar.models import build_model
@@ -443,3 +443,53 @@ def test_published_rows_beside_their_plans():
     rows = compare()
     assert {c["row"].n for c in rows if abs(c["memory_error"]) > 0.15} == {2}
     assert {c["row"].n for c in rows if abs(c["step_error"]) <= 0.10} == {5, 8, 9, 14}
+
+
+@pytest.mark.parametrize("model, nodes, batch, seq, tp", [("gpt3-1.3b", 1, 64, 2048, 1),
+                                                          ("gpt-modern-7b", 8, 256, 4096, 1),
+                                                          ("gpt3-175b", 128, 1536, 2048, 8)], ids=["8", "64", "1024"])
+def test_layout_auto_takes_the_fastest_layout_that_fits(model, nodes, batch, seq, tp, capsys):
+    """--parallel.layout auto on the planner's tables for 8, 64 and 1,024 H100s: the run's layout is the first row
+    of the ranked list that the same plan prints for a layout set by hand (tp 8 at 1,024: 1,536 sequences do not
+    divide over 1,024 data-parallel ranks), it fits, and the choice and the runner-up are said."""
+    plan = launcher("plan")
+    base = ["--model.name", model, "--cluster.nodes", str(nodes), "--cluster.gpus_per_node", "8",
+            "--train.global_batch_size", str(batch), "--train.seq_len", str(seq), "--train.precision", "bf16"]
+    assert plan.main([*base, "--json", "--top", "2", "--parallel.tp", str(tp)]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert plan.main([*base, "--json", "--top", "0", "--parallel.layout", "auto"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    best = ranked[0]
+    assert auto["layout"] == {k: best[k] for k in ("dp_replicate", "dp_shard", "tp")}
+    assert (auto["micro_batch_size"], auto["activation_checkpointing"]) == (best["micro_batch_size"],
+                                                                            best["activation_checkpointing"])
+    assert auto["fits"] and auto["step_time_s"] == pytest.approx(best["step_time_s"])
+    assert auto["layout_choice"].startswith(f"layout auto: dp_replicate {best['dp_replicate']} x dp_shard "
+                                            f"{best['dp_shard']} x tp {best['tp']}, micro-batch {best['micro_batch_size']}")
+    assert "; runner-up: " in auto["layout_choice"]
+
+
+def test_layout_auto_refusals_and_a_layout_that_would_not_fit(capsys):
+    """GPT-3 6.7B on one H200, batch 8 x 2048: parameters, gradients and AdamW take 99.2 GiB, so micro-batch 8
+    without checkpointing (168 GiB planned) cannot be the choice; auto picks one that fits. Fields auto chooses,
+    when given, and a world where nothing fits are one-line errors, exit status 2."""
+    plan = launcher("plan")
+    base = ["--model.name", "gpt3-6.7b", "--cluster.nodes", "1", "--cluster.gpus_per_node", "1", "--cluster.gpu",
+            "h200", "--train.global_batch_size", "8", "--train.seq_len", "2048", "--train.precision", "bf16", "--json",
+            "--top", "0"]
+    assert plan.main(base) == 0
+    manual = json.loads(capsys.readouterr().out)
+    assert manual["micro_batch_size"] == 8 and not manual["fits"] and manual["total_bytes_per_gpu"] > 160 * GIB
+    assert plan.main([*base, "--parallel.layout", "auto"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["fits"] and auto["total_bytes_per_gpu"] <= auto["usable_bytes_per_gpu"]
+    assert (auto["micro_batch_size"], auto["activation_checkpointing"]) != (8, "none")
+    for extra, message in [(["--parallel.tp", "2"], "but parallel.tp=2 is set; drop it"),
+                           (["--train.micro_batch_size", "2", "--train.activation_checkpointing", "full"],
+                            "train.micro_batch_size=2, train.activation_checkpointing='full' is set; drop them")]:
+        assert plan.main([*base, "--parallel.layout", "auto", *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert plan.main([*base, "--model.name", "gpt3-175b", "--parallel.layout", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.layout=auto: no layout of 1 GPU(s) fits" in err and len(err.strip().splitlines()) == 1, err

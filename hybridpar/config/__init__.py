@@ -25,6 +25,11 @@ def _positive(section: str, **values) -> None:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    layout: Literal["manual", "auto"] = doc(
+        "manual", "manual: the degrees, micro-batch and checkpointing as set; auto: the planner's fastest layout that "
+        "fits this world and the device's free memory (tp, dp_replicate x dp_shard, fsdp_strategy, "
+        "accumulate_unsharded, train.micro_batch_size, train.activation_checkpointing), printed at start with the "
+        "runner-up and written into the run's config.yaml; those fields must then be left at their defaults")
     dp_replicate: int = doc(1, "data-parallel replicas (HSDP replicate axis, usually across node groups)")
     dp_shard: int = doc(-1, "data-parallel shards (FSDP axis); -1 fills world / (dp_replicate * tp)")
     tp: int = doc(1, "tensor-parallel degree, inside a node (the innermost mesh axis)")
@@ -80,8 +85,8 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto = cuda when available, else cpu")
     activation_checkpointing: Literal["none", "full", "selective"] = doc(
         "none", "recompute activations in backward: full = whole blocks (every train.ac_every-th one; ~1/3 more "
-        "compute), selective = keep each block's matmul and fused-attention outputs, recompute the cheap rest "
-        "(norms, RoPE, activations, residual adds; no matmul FLOPs)")
+        "compute), selective = each residual branch keeps its input and the outputs of its matmuls but the last and "
+        "of fused attention, and recomputes the cheap rest (norms, RoPE, activations; no matmul FLOPs)")
     ac_every: int = doc(1, "full activation checkpointing: checkpoint blocks 0, k, 2k, ... (1 = every block)")
     compile: bool = doc(False, "torch.compile each transformer block")
     loss_chunk_tokens: int = doc(4096, "with tp = 1: LM head + cross entropy fused, in chunks of this many tokens, so "

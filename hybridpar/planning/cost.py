@@ -346,6 +346,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
       matrices 20; Muon's Newton-Schulz FLOPs of rank 0's share (it owns the most matrices) at MATMUL_EFFICIENCY
       of the bf16 peak, and its two all-to-alls over NVLink when the shard group fits in a node; not overlapped.
     per-microbatch overhead: kernel launches and FSDP hooks, per block and microbatch.
+    selective recompute: what a selectively checkpointed block recomputes (norms, RoPE, the activation: no matmul)
+      streamed twice through HBM (read, write) per block and microbatch.
     """
     m, t, p = cfg.model, cfg.train, cfg.parallel
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
@@ -404,10 +406,18 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     muon_comm = muon["muon_comm_bytes"] / (muon_bw * 1e9 * LINK_EFFICIENCY)
     if cfg.optim.name == "muon":  # its matrices stream 20 bytes (read p, g, b; write p, b), not AdamW's 28
         optimizer -= 8 * sum(held for _, held in _hidden(m, layout, 0)) / (gpu.hbm_gbps * 1e9)
+    # selective checkpointing recomputes no matmul, but its norms, RoPE and activation: memory-bound, timed as
+    # their outputs written and inputs read once more through HBM
+    recompute_s = 0.0
+    if t.activation_checkpointing == "selective":
+        redo = activation_bytes(m, micro * t.seq_len, t.seq_len, layout.tp, p.sequence_parallel,
+                                t.precision or "fp32", uses_fsdp(cfg, layout.dp), "selective")["recompute_peak"]
+        recompute_s = n_micro * m.n_layers * 2 * redo / (gpu.hbm_gbps * 1e9)
     kernels = KERNELS_PER_BLOCK["modern" if m.position == "rope" or m.mlp == "swiglu" else "gpt2"]
     overhead = n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if uses_fsdp(cfg, layout.dp) else 0.0))
-    total = compute + tp_comm + exposed + optimizer + muon_ns + muon_comm + overhead
-    return {"step_time_s": total, "compute_s": compute, "tp_comm_s": tp_comm, "fsdp_comm_s": fsdp + hsdp,
+    total = compute + recompute_s + tp_comm + exposed + optimizer + muon_ns + muon_comm + overhead
+    return {"step_time_s": total, "compute_s": compute, "selective_recompute_s": recompute_s, "tp_comm_s": tp_comm,
+            "fsdp_comm_s": fsdp + hsdp,
             "fsdp_exposed_s": exposed, "optimizer_s": optimizer, "muon_ns_s": muon_ns, "muon_comm_s": muon_comm,
             "per_microbatch_overhead_s": overhead,
             "tokens_per_sec": t.global_batch_size * t.seq_len / total,

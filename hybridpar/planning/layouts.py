@@ -81,6 +81,50 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
     return rows[:top]
 
 
+# The fields parallel.layout=auto chooses, with the defaults they must keep in the config it starts from.
+AUTO_FIELDS = {"parallel.tp": 1, "parallel.dp_replicate": 1, "parallel.dp_shard": -1,
+               "parallel.fsdp_strategy": "full_shard", "parallel.accumulate_unsharded": "auto",
+               "train.micro_batch_size": None, "train.activation_checkpointing": "none", "train.ac_every": 1}
+
+
+def check_auto(cfg: Config) -> None:
+    """parallel.layout=auto chooses AUTO_FIELDS: ConfigError (one line) when one of them was set."""
+    given = [f"{key}={getattr(getattr(cfg, key.split('.')[0]), key.split('.')[1])!r}" for key, default in
+             AUTO_FIELDS.items() if getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) != default]
+    if given:
+        raise ConfigError(f"parallel.layout=auto chooses the layout, but {', '.join(given)} is set; drop "
+                          f"{'it' if len(given) == 1 else 'them'}, or keep them with --parallel.layout manual")
+
+
+def choose_layout(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, usable: int) -> tuple[Config, list[dict]]:
+    """parallel.layout=auto: the config with the fastest ranked layout of `world` GPUs that fits `usable` bytes
+    (rank_layouts, timed with `gpu`'s figures), and the two best rows (choice, runner-up). ConfigError when none fits."""
+    rows = rank_layouts(cfg, world, gpus_per_node, replace(gpu, memory_gib=usable / GIB + RESERVED_GIB), top=2)
+    if not rows:
+        raise ConfigError(f"parallel.layout=auto: no layout of {world} GPU(s) fits this model and batch in "
+                          f"{usable / GIB:.1f} GiB per GPU; add GPUs, lower train.global_batch_size or shrink the model")
+    best = rows[0]
+    parallel = replace(cfg.parallel, tp=best["tp"], dp_replicate=best["dp_replicate"], dp_shard=best["dp_shard"],
+                       accumulate_unsharded=best["accumulate_unsharded"],
+                       fsdp_strategy=cfg.parallel.fsdp_strategy if best["fsdp_strategy"] == "-"
+                       else best["fsdp_strategy"])
+    train = replace(cfg.train, micro_batch_size=best["micro_batch_size"],
+                    activation_checkpointing=best["activation_checkpointing"], ac_every=1)
+    return replace(cfg, parallel=parallel, train=train), rows
+
+
+def describe_choice(rows: list[dict]) -> str:
+    """The start-up line of parallel.layout=auto: the choice and the runner-up, with the planner's figures."""
+    def one(r: dict) -> str:
+        return (f"dp_replicate {r['dp_replicate']} x dp_shard {r['dp_shard']} x tp {r['tp']}, micro-batch "
+                f"{r['micro_batch_size']} x {r['microbatches']}, {r['activation_checkpointing']} checkpointing"
+                + (f", fsdp {r['fsdp_strategy']}" + (", unsharded accumulation" if r["accumulate_unsharded"] else "")
+                   if r["fsdp_strategy"] != "-" else "")
+                + f": {r['total_gib']:.1f} GiB, {r['step_time_s']:.3g} s/step planned")
+    return ("layout auto: " + one(rows[0])
+            + (f"; runner-up: {one(rows[1])}" if len(rows) > 1 else "; no other layout fits"))
+
+
 def layout_flags(row: dict) -> str:
     """The command-line flags that select a ranked layout (rank_layouts' row)."""
     flags = (f"--parallel.dp_replicate {row['dp_replicate']} --parallel.dp_shard {row['dp_shard']} --parallel.tp "
@@ -128,7 +172,8 @@ def refuse_if_too_big(cfg: Config, layout: Layout, usable: int, gpus_per_node: i
     fitted = replace(gpu, memory_gib=usable / GIB + RESERVED_GIB)
     best = rank_layouts(cfg, layout.world, gpus_per_node, fitted, top=1)
     if best:
-        hint = f"the planner's fastest layout that fits: {layout_flags(best[0])} ({best[0]['total_gib']:.1f} GiB)"
+        hint = (f"the planner's fastest layout that fits: {layout_flags(best[0])} ({best[0]['total_gib']:.1f} GiB), "
+                f"which --parallel.layout auto chooses by itself")
     else:
         hint = f"no layout of {layout.world} GPU(s) fits this model and batch: add GPUs or shrink the model"
     raise ConfigError(f"the plan needs {need / GIB:.1f} GiB per GPU but {device_name} has {usable / GIB:.1f} GiB "
