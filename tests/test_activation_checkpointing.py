@@ -76,3 +76,32 @@ def test_bad_mode_is_a_config_error():
         load_config(["--train.activation_checkpointing", "some"])
     with pytest.raises(ValueError, match="train.ac_every=0 must be > 0"):
         load_config(["--train.ac_every", "0"])
+
+
+def test_selective_under_fp8_keeps_every_projection_and_recomputes_no_matmul():
+    """torchao's float8 linears (emulated on the CPU): selective keeps the output and down projections' outputs too
+    (recomputation would otherwise redo them), so its FLOPs equal none's and its bytes are the planner's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hybridpar.config.cli import load_config
+    from hybridpar.parallel.fp8 import convert_fp8
+    from hybridpar.planning.cost import activation_bytes
+
+    cfg = load_config(["--model.name", "tiny", "--train.fp8", "tensorwise", "--train.precision", "fp32"])
+    x = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    def run(mode: str):
+        torch.manual_seed(0)
+        model = build_model(cfg.model, device="cpu")
+        convert_fp8(model, cfg, emulate=True, fsdp=False)
+        apply_activation_checkpointing(model, mode)
+        with FlopCounterMode(display=False) as counter:
+            model(x).float().sum().backward()
+        return counter.get_total_flops(), {n: p.grad for n, p in model.named_parameters()}, \
+            saved_activation_bytes(model, x)
+
+    (flops_none, grads_none, _), (flops, grads, kept) = run("none"), run("selective")
+    assert flops == flops_none and all(torch.equal(grads[n], g) for n, g in grads_none.items())
+    est = activation_bytes(cfg.model, 128, 64, tp=1, sp=False, precision="fp32", fsdp=False, ac="selective",
+                           fp8_blocks=True)
+    assert kept == est["layers"] + est["outside_layers"]

@@ -135,9 +135,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, 
         if mode == "full" and i % every == 0:
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng)
         elif mode == "selective":
+            # torchao's float8 linears: recomputation would run past the last one and redo its matmul, so under
+            # train.fp8 every linear's output is kept (the planner counts the two projections' outputs)
+            keep_last = int(any(type(m).__name__ == "Float8Linear" for m in block.modules()))
             mlp_linears = 3 if getattr(block.mlp, "swiglu", False) else 2
-            block.attn_branch = _checkpointed(block.attn_branch, 4, preserve_rng)  # q, k, v, then the output
-            block.mlp_branch = _checkpointed(block.mlp_branch, mlp_linears, preserve_rng)  # (gate,) up, then down
+            block.attn_branch = _checkpointed(block.attn_branch, 4 + keep_last, preserve_rng)  # q, k, v, output
+            block.mlp_branch = _checkpointed(block.mlp_branch, mlp_linears + keep_last, preserve_rng)  # (gate,) up, down
 
 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:

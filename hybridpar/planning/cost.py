@@ -81,7 +81,7 @@ def _compute_bytes(precision: str | None) -> int:
 
 def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: bool, precision: str, fsdp: bool,
                      ac: str, ac_every: int = 1, fused_loss: bool = False, compile: bool = False,
-                     math_attention: bool = False) -> dict[str, int]:
+                     math_attention: bool = False, fp8_blocks: bool = False) -> dict[str, int]:
     """Bytes one microbatch of `tokens` keeps for backward on one rank, by part.
 
     precision/fsdp choose the dtypes: fp32 keeps everything in fp32; bf16 with FSDP (hybridpar's bf16 on any mesh)
@@ -135,7 +135,9 @@ def activation_bytes(m: ModelConfig, tokens: int, seq_len: int, tp: int, sp: boo
         # but the last (q, k, v; the MLP's first matmuls) and of fused attention (also the output projection's
         # input). The output and down projections' outputs are neither kept nor recomputed.
         kept = (2 * r * H / s + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh
-                + a * (2 if m.mlp == "swiglu" else 1) * F / tp) * tokens
+                + a * (2 if m.mlp == "swiglu" else 1) * F / tp + (2 * a * H if fp8_blocks else 0)) * tokens
+        # (fp8_blocks: torchao's float8 linears keep the output and down projections' outputs too: (tokens, H) each,
+        # partial sums under TP)
         kept_layers = L * kept
         recompute = max(0, layer - kept)  # what one block recomputes in backward: norms, RoPE, activation, ...
     else:
@@ -216,7 +218,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     # kernel takes no GQA): SDPA falls back to the math kernel
     math_attention = (t.precision or "fp32") == "fp32" and m.kv_heads < m.n_heads
     acts = activation_bytes(m, tokens, t.seq_len, layout.tp, p.sequence_parallel, t.precision or "fp32", fsdp,
-                            t.activation_checkpointing, t.ac_every, fused, t.compile, math_attention)
+                            t.activation_checkpointing, t.ac_every, fused, t.compile, math_attention, t.fp8 != "off")
     between = accumulation_bytes(cfg, layout, rank)
     buffers = 0
     if fsdp:
@@ -411,7 +413,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     recompute_s = 0.0
     if t.activation_checkpointing == "selective":
         redo = activation_bytes(m, micro * t.seq_len, t.seq_len, layout.tp, p.sequence_parallel,
-                                t.precision or "fp32", uses_fsdp(cfg, layout.dp), "selective")["recompute_peak"]
+                                t.precision or "fp32", uses_fsdp(cfg, layout.dp), "selective",
+                                fp8_blocks=t.fp8 != "off")["recompute_peak"]
         recompute_s = n_micro * m.n_layers * 2 * redo / (gpu.hbm_gbps * 1e9)
     kernels = KERNELS_PER_BLOCK["modern" if m.position == "rope" or m.mlp == "swiglu" else "gpt2"]
     overhead = n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if uses_fsdp(cfg, layout.dp) else 0.0))
