@@ -345,9 +345,9 @@ def test_the_planner_plans_the_longest_stage():
     base = ["--model.name", "gpt3-1.3b", "--model.max_seq_len", "4096", "--train.seq_len", "2048",
             "--train.global_batch_size", "512", "--train.micro_batch_size", "4", "--cluster.nodes", "2",
             "--cluster.gpu", "h100", "--parallel.tp", "1"]
-    _, cfg, layout = plan.parse(base + ["--data.stages", "0: /data/web,1000 seq 4096: /data/code"])
+    _, cfg, layout, _ = plan.parse(base + ["--data.stages", "0: /data/web,1000 seq 4096: /data/code"])
     assert (cfg.train.seq_len, cfg.train.micro_batch_size, layout.dp) == (4096, 2, 16)
-    _, plain, _ = plan.parse(base)
+    _, plain, _, _ = plan.parse(base)
     assert (plain.train.seq_len, plain.train.micro_batch_size) == (2048, 4)
     with pytest.raises(ConfigError, match=r"data.stages: seq 8192 exceeds model.max_seq_len=4096"):
         plan.parse(base + ["--data.stages", "0: /data/web,1000 seq 8192: /data/code"])
