@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -182,12 +183,14 @@ def main(cfg: Config, hooks=()) -> TrainResult:
             # path only: after an error on one rank, a barrier would wait for the collective timeout.
             dist.barrier()
         return result
-    except Exception:
+    except Exception as e:
         # A sibling worker that saw the agent go exits first, and this rank's next collective fails (connection
         # reset) before its own watcher wakes: the same event, said the same way, not an internal error.
         why = agent_gone(agent)
         if why is not None:
             orphaned(why)
+        if isinstance(e, UserError) and getattr(e, "on_every_rank", False) and dist.is_initialized():
+            _say_once(e)
         raise
     finally:
         if trainer is not None:  # (after an error: fit() closes them on its own way out)
@@ -200,7 +203,24 @@ def main(cfg: Config, hooks=()) -> TrainResult:
             signal.signal(sig, handler)
 
 
-EVERY_RANK_ERROR_WAIT_S = 20  # seconds a rank other than 0 waits on a command-line error (cli())
+EVERY_RANK_ERROR_WAIT_S = 20  # the longest a rank other than 0 waits for rank 0 to say an error every rank has
+
+
+def _say_once(e: UserError) -> None:
+    """An error every rank raised, said by rank 0 alone while the process group is up; the other ranks wait (on the
+    group's store, whatever the backend) until it is said, so none exits first. A launcher stops every rank when the
+    first one fails (torchrun, srun --kill-on-bad-exit): had rank 1 exited first, rank 0 could be stopped before it
+    said the error."""
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() == 0:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        store.set("hybridpar/error_said", "1")
+    elif dist.get_world_size() > 1:
+        try:
+            store.wait(["hybridpar/error_said"], datetime.timedelta(seconds=EVERY_RANK_ERROR_WAIT_S))
+        except Exception:  # rank 0 did not get here (the launcher stops this rank, or the bound ends the wait)
+            pass
+    e.said = True
 
 
 def cli(argv: list[str], hooks=()) -> int:
@@ -223,12 +243,13 @@ def cli(argv: list[str], hooks=()) -> int:
         print(str(e), file=sys.stderr)
         return e.exit_code
     except UserError as e:  # user-caused: one line; anything else is an internal error and keeps its traceback
+        if getattr(e, "said", False):  # (main() said it, once, with the process group up: _say_once)
+            return 2
         if not (getattr(e, "on_every_rank", False) and world_from_env().rank != 0):  # said once, by rank 0
             print(f"error: {e}", file=sys.stderr)
         elif world_from_env().world_size > 1:
-            # A launcher stops every rank when the first one fails (torchrun, srun --kill-on-bad-exit): had this rank
-            # exited first, rank 0 could be stopped before it said the error. Rank 0 fails on the same line, so wait
-            # to be stopped with it; the bound only matters if no launcher stops this rank.
+            # The command line, refused before any process group exists: rank 0 refuses the same line, so wait to be
+            # stopped with it (see _say_once); the bound only matters if no launcher stops this rank.
             time.sleep(EVERY_RANK_ERROR_WAIT_S)
         return 2
     return EXIT_PREEMPTED if result.preempted else 0
