@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +34,20 @@ def pytest_configure(config):
     a warm world's worker, reads them; removed at the end of the session."""
     _HF_HOME.append(tempfile.mkdtemp(prefix="hybridpar-tests-hf-"))
     os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_HOME=_HF_HOME[0])
+    # Every Python interpreter started under the session (a warm worker, torchrun's agent and ranks, a shell script's,
+    # a SLURM job's) writes a line to one file as it starts, through a sitecustomize on PYTHONPATH: the suite's
+    # starts are counted, not inferred from command lines.
+    hook = Path(_HF_HOME[0]) / "count-starts"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "try:\n"
+        "    with open(os.environ['HYBRIDPAR_TEST_STARTS'], 'a') as f:\n"
+        "        f.write(f'{os.getpid()}\\n')\n"
+        "except Exception:  # a start is counted where the file can be reached; it is never stopped\n"
+        "    pass\n")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(hook)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    os.environ["HYBRIDPAR_TEST_STARTS"] = str(hook / "starts.log")
 
 
 _RUNNING: dict = {}  # the test being set up or run: its id and whether it is marked multiprocess
@@ -63,36 +76,22 @@ SECONDS: dict[str, float] = {}  # test id -> wall seconds of set-up, call and te
 _SESSION_START = time.perf_counter()
 
 
-def interpreters_of(args) -> int:
-    """Python interpreters a command starts: one per mention of this interpreter (a launcher, a `-c` script, one
-    inside a shell line), and torchrun's ranks beside its agent (--nproc_per_node N)."""
-    argv = [str(a) for a in args] if isinstance(args, (list, tuple)) else [str(args)]
-    line = " ".join(argv)
-    n = line.count(sys.executable) + len(re.findall(r"(?:^|[\s;&|(])python3?(?=\s|$)", line))
-    for i, a in enumerate(argv):
-        if a.startswith("--nproc_per_node"):
-            value = a.partition("=")[2] or (argv[i + 1] if i + 1 < len(argv) else "1")
-            n += int(value) if value.isdigit() else 0
-    return n
+def _starts_so_far() -> int:
+    """Python interpreters started under this session so far (pytest_configure's sitecustomize)."""
+    try:
+        return Path(os.environ["HYBRIDPAR_TEST_STARTS"]).read_bytes().count(b"\n")
+    except (KeyError, FileNotFoundError):
+        return 0
 
 
 @contextlib.contextmanager
 def _count_starts(item):
-    """Counts (never blocks) the interpreters a multiprocess test starts: subprocesses and multiprocessing's."""
-    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
-
-    def counting_popen(self, args, *a, **k):
-        STARTS[item.nodeid] = STARTS.get(item.nodeid, 0) + interpreters_of(args)
-        return popen_init(self, args, *a, **k)
-
-    def counting_start(self):
-        STARTS[item.nodeid] = STARTS.get(item.nodeid, 0) + 1
-        return process_start(self)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(subprocess.Popen, "__init__", counting_popen)
-        mp.setattr(multiprocessing.process.BaseProcess, "start", counting_start)
+    """Counts the interpreters a test's set-up or call starts (its children's children included)."""
+    before = _starts_so_far()
+    try:
         yield
+    finally:
+        STARTS[item.nodeid] = STARTS.get(item.nodeid, 0) + _starts_so_far() - before
 
 
 @pytest.hookimpl(wrapper=True)
