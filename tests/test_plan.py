@@ -423,11 +423,12 @@ def test_published_rows_beside_their_plans():
     """KempnerForge's H200 sweep against the planner (hybridpar/planning/published.py): the transcription agrees with
     itself (published tokens/s = tokens per step / step time, and the parameter counts the sweep states), the table
     in docs/planning.md is the one the code prints, and which rows the planner reaches: memory (each planned under
-    the recipe the row ran with) within 15% on every row but row 2; step time within 10% on four rows only: the
-    time model is not calibrated yet (docs/planning.md says why each is off)."""
+    the recipe the row ran with) within 15% on every row but row 2; step time within 10% on every row and on the
+    1.3B single-GPU reference, with the time model's constants those that published.fit() derives from them."""
     from hybridpar.models import get_model_config
     from hybridpar.planning.flops import matmul_params
-    from hybridpar.planning.published import ROWS, SEQ, compare, config, table
+    from hybridpar.planning import cost
+    from hybridpar.planning.published import ROWS, SEQ, compare, config, fit, table
 
     for row in ROWS:
         tokens = row.dp_shard * row.micro * row.accumulation * SEQ
@@ -442,7 +443,14 @@ def test_published_rows_beside_their_plans():
     assert table() in doc
     rows = compare()
     assert {c["row"].n for c in rows if abs(c["memory_error"]) > 0.15} == {2}
-    assert {c["row"].n for c in rows if abs(c["step_error"]) <= 0.10} == {5, 8, 9, 14}
+    assert all(abs(c["step_error"]) <= 0.10 for c in rows), [(c["row"].n, c["step_error"]) for c in rows]
+    fitted = fit()
+    for name in ("GEMM_EFFICIENCY", "TP_COMPUTE_PENALTY", "FSDP_EXPOSED_SHARE"):
+        assert getattr(cost, name) == round(fitted[name], 3), name
+    assert cost.GEMM_HALF_WIDTH == fitted["GEMM_HALF_WIDTH"]
+    assert abs(fitted["errors"][-1]) <= 0.10  # the 1.3B reference, 60.9k tokens/s on one H200
+    # the fit generalises: each measurement planned from the other 14 is off by under 8% (root mean square)
+    assert fitted["loo_rms"] < 0.08
 
 
 @pytest.mark.parametrize("model, nodes, batch, seq, tp", [("gpt3-1.3b", 1, 64, 2048, 1),

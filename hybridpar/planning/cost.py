@@ -55,10 +55,15 @@ GPUS: dict[str, GPU] = {
                 peak_fp8_tflops=4500.0),
 }
 
-# Efficiency assumptions of the step-time estimate.
-MATMUL_EFFICIENCY = 0.52  # model FLOPs / peak of a tuned dense GPT step: the plain 1.3B reference on an H200 ran
-#                           60.9k tokens/s x 8.5 GFLOP/token = 518 TFLOP/s = 52% of 989 (issue 8's measurement)
-MATMUL_EFFICIENCY_TOKENS = 16384  # rows per GEMM in that reference (micro-batch 8 x 2048 tokens)
+# Efficiency constants of the step-time estimate, fitted to published measurements (hybridpar/planning/published.py:
+# fit(), the method in docs/planning.md; tests/test_plan.py checks these equal the fit): 14 rows of an FSDP2 + TP
+# sweep on H200s and a plain 1.3B step on one H200.
+GEMM_EFFICIENCY = 0.753   # model FLOPs / peak of a compiled dense step of a very wide model at large micro-batches
+GEMM_HALF_WIDTH = 768     # d_model at which that rate halves: wider layers run closer to it (width / (width + this))
+TP_COMPUTE_PENALTY = 0.352  # a tensor-parallel step computes this much longer than its FLOPs say (smaller GEMMs per
+#                            rank, the norms and casts between them; its collectives are counted apart)
+FSDP_EXPOSED_SHARE = 0.456  # share of FSDP's all-gathers and reduce-scatters that compute does not hide
+MATMUL_EFFICIENCY_TOKENS = 16384  # GEMM rows (micro-batch tokens) at which gemm_efficiency's token curve is 1
 # Per-microbatch costs, which make many small microbatches slower than few large ones (docs/planning.md says how
 # these were chosen; none is measured on a GPU yet):
 GEMM_HALF_TOKENS = 512    # a GEMM with this many rows (tokens) runs at half its large-matrix rate
@@ -288,13 +293,18 @@ def _ring(bytes_: float, n: int, gbps: float, all_reduce: bool = False) -> float
     return (2 if all_reduce else 1) * (n - 1) / n * bytes_ / (gbps * 1e9 * LINK_EFFICIENCY)
 
 
-def gemm_efficiency(tokens: int) -> float:
-    """Model FLOPs / peak for GEMMs of `tokens` rows: MATMUL_EFFICIENCY at the reference's size, less for fewer
-    rows (a saturating M / (M + GEMM_HALF_TOKENS) curve, so 2048-token microbatches run at 83% of the reference's
-    rate and 16k-token ones at 100%)."""
+def token_curve(tokens: int) -> float:
+    """GEMM rate at `tokens` rows relative to MATMUL_EFFICIENCY_TOKENS rows: M / (M + GEMM_HALF_TOKENS), normalised
+    (2048-token microbatches run at 83% of a 16k-token one's rate)."""
     def curve(m):
         return m / (m + GEMM_HALF_TOKENS)
-    return MATMUL_EFFICIENCY * curve(tokens) / curve(MATMUL_EFFICIENCY_TOKENS)
+    return curve(tokens) / curve(MATMUL_EFFICIENCY_TOKENS)
+
+
+def gemm_efficiency(tokens: int, d_model: int) -> float:
+    """Model FLOPs / peak for GEMMs of `tokens` rows in layers `d_model` wide: GEMM_EFFICIENCY x width / (width +
+    GEMM_HALF_WIDTH) x token_curve(tokens)."""
+    return GEMM_EFFICIENCY * d_model / (d_model + GEMM_HALF_WIDTH) * token_curve(tokens)
 
 
 def all_gather_bytes(cfg: Config, layout: Layout) -> int:
@@ -328,7 +338,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     """Estimated seconds of one optimizer step, by part.
 
     compute: model FLOPs, plus the recomputed forward of each fully checkpointed block up to its down projection
-      (selective checkpointing recomputes no matmul), at gemm_efficiency(micro-batch tokens) of the peak.
+      (selective checkpointing recomputes no matmul), at gemm_efficiency(micro-batch tokens, d_model) of the peak;
+      with tp > 1, TP_COMPUTE_PENALTY longer (compute_at_peak_s: the same FLOPs at the peak).
     tp: per layer and microbatch, 2 all-reduces forward and 2 backward of the (tokens, H) activations (reduce-
       scatter + all-gather under SP: the same bytes), plus the recomputed forward's 2, plus under SP the all-gathers
       of inputs kept as sequence shards (2 per block, 1 for the LM head); over NVLink; not overlapped.
@@ -339,13 +350,13 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
       to backward, is gathered once a step or once a microbatch (fsdp_gather_bytes, fsdp_scatter_bytes: the
       step's totals, full-tensor sizes, as measured on ranks in tests/test_parallel.py); with HSDP one fp32
       all-reduce of the gradient shards across replicas;
-      over NVLink when the group fits in a node, else the per-GPU inter-node link; overlapped with compute except
-      the first block's all-gather and the last one's reduce-scatter.
+      over NVLink when the group fits in a node, else the per-GPU inter-node link; FSDP_EXPOSED_SHARE of it is not
+      hidden by compute (all of what exceeds compute).
     fp8 (train.fp8): the converted linears' FLOPs (the blocks', and the LM head's with fp8_linears=all) at the
       float8 peak, the rest at bf16's, both at gemm_efficiency (the casts and scales are not counted: an upper bound
       until measured on a GPU); tensorwise with fp8_all_gather all-gathers those weights in 1 byte.
     optimizer: AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM, Muon's
-      matrices 20; Muon's Newton-Schulz FLOPs of rank 0's share (it owns the most matrices) at MATMUL_EFFICIENCY
+      matrices 20; Muon's Newton-Schulz FLOPs of rank 0's share (it owns the most matrices) at gemm_efficiency
       of the bf16 peak, and its two all-to-alls over NVLink when the shard group fits in a node; not overlapped.
     per-microbatch overhead: kernel launches and FSDP hooks, per block and microbatch.
     selective recompute: what a selectively checkpointed block recomputes (norms, RoPE, the activation: no matmul)
@@ -365,7 +376,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     fp8 = t.fp8 != "off" and gpu.peak_fp8_tflops > 0
     fp8_share = (parts["blocks"] + (parts["head"] if t.fp8_linears == "all" else 0)) / fpt if fp8 else 0.0
     per_flop = (1 - fp8_share) / gpu.peak_tflops + fp8_share / (gpu.peak_fp8_tflops if fp8 else 1.0)
-    compute = fpt * tokens_rank / layout.tp * recompute * per_flop / (1e12 * gemm_efficiency(micro * t.seq_len))
+    work = fpt * tokens_rank / layout.tp * recompute * per_flop / 1e12  # seconds at the peak
+    compute = work / gemm_efficiency(micro * t.seq_len, m.d_model) * (1 + TP_COMPUTE_PENALTY if layout.tp > 1 else 1)
     a = _compute_bytes(t.precision)
     act = micro * t.seq_len * m.d_model * a
     # under SP, inputs kept as sequence shards are all-gathered again in backward (attention and MLP of blocks not
@@ -399,11 +411,11 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
             gathers += n_micro
         rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
         hsdp = _ring(params_tp * 4 / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
-        exposed = max(0.0, fsdp + hsdp - compute) + 2 * fsdp / (gathers + 1) / m.n_layers
+        exposed = max(FSDP_EXPOSED_SHARE * (fsdp + hsdp), fsdp + hsdp - compute)
     params_local = local_param_count(m, layout)[0]
     optimizer = 28 * params_local / (gpu.hbm_gbps * 1e9)
     muon = muon_share(cfg, layout)  # rank 0: member 0 owns the most matrices
-    muon_ns = muon["muon_ns_flops"] / (gpu.peak_tflops * 1e12 * MATMUL_EFFICIENCY)
+    muon_ns = muon["muon_ns_flops"] / (gpu.peak_tflops * 1e12 * gemm_efficiency(MATMUL_EFFICIENCY_TOKENS, m.d_model))
     muon_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
     muon_comm = muon["muon_comm_bytes"] / (muon_bw * 1e9 * LINK_EFFICIENCY)
     if cfg.optim.name == "muon":  # its matrices stream 20 bytes (read p, g, b; write p, b), not AdamW's 28
@@ -419,7 +431,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     kernels = KERNELS_PER_BLOCK["modern" if m.position == "rope" or m.mlp == "swiglu" else "gpt2"]
     overhead = n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if uses_fsdp(cfg, layout.dp) else 0.0))
     total = compute + recompute_s + tp_comm + exposed + optimizer + muon_ns + muon_comm + overhead
-    return {"step_time_s": total, "compute_s": compute, "selective_recompute_s": recompute_s, "tp_comm_s": tp_comm,
+    return {"step_time_s": total, "compute_s": compute, "compute_at_peak_s": work, "selective_recompute_s": recompute_s, "tp_comm_s": tp_comm,
             "fsdp_comm_s": fsdp + hsdp,
             "fsdp_exposed_s": exposed, "optimizer_s": optimizer, "muon_ns_s": muon_ns, "muon_comm_s": muon_comm,
             "per_microbatch_overhead_s": overhead,
