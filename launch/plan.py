@@ -23,7 +23,7 @@ import torch
 from hybridpar.config.cli import ConfigError, parse_command
 from hybridpar.models.config import doc
 from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
-from hybridpar.planning.cost import GIB, GPUS, Layout, memory, muon_share, step_time
+from hybridpar.planning.cost import GIB, GPU, GPUS, Layout, memory, muon_share, step_time
 from hybridpar.planning.layouts import rank_layouts
 from hybridpar.resolve import longest_stage, resolve
 
@@ -33,6 +33,13 @@ class Cluster:
     nodes: int = doc(1, "nodes of the planned cluster")
     gpus_per_node: int = doc(8, "GPUs per node (the bound on tp)")
     gpu: str = doc("h100", f"GPU type, one of {', '.join(GPUS)}")
+    internode_gbps: float = doc(0.0, "inter-node bandwidth per GPU in GB/s (0: the GPU type's figure; one 400 Gb/s "
+                                     "NIC per GPU is 50)")
+
+
+def cluster_gpu(c: Cluster) -> GPU:
+    """The GPU type's figures, with the cluster's inter-node fabric where it is given."""
+    return replace(GPUS[c.gpu], internode_gbps=c.internode_gbps) if c.internode_gbps else GPUS[c.gpu]
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,9 @@ def parse(argv: list[str]):
         raise ConfigError(f"--cluster.gpu {c.gpu!r} is not known; use one of {', '.join(GPUS)}")
     if c.nodes < 1 or c.gpus_per_node < 1:
         raise ConfigError(f"--cluster.nodes {c.nodes} --cluster.gpus_per_node {c.gpus_per_node}: both must be >= 1")
+    if not 0 <= c.internode_gbps < 1e5:
+        raise ConfigError(f"--cluster.internode_gbps {c.internode_gbps} must be a bandwidth in GB/s per GPU (0 for the "
+                          f"GPU type's {GPUS[c.gpu].internode_gbps:g})")
     world = c.nodes * c.gpus_per_node
     if not 0 <= a.rank < world:
         raise ConfigError(f"--rank {a.rank} is outside the world of {world} GPUs; pick 0 <= rank < {world}")
@@ -63,7 +73,7 @@ def parse(argv: list[str]):
                   train=replace(cfg.train, precision=cfg.train.precision or "bf16"))
     world_info = WorldInfo(a.rank, world, a.rank % c.gpus_per_node, c.gpus_per_node)
     run = resolve(cfg, world_info, torch.device("meta"), tokenizer=_Vocabulary(cfg.model.vocab_size),
-                  gpu=GPUS[c.gpu])
+                  gpu=cluster_gpu(c))
     return a, longest_stage(run.cfg, run.stages, run.layout.dp), run.layout, run.layout_choice  # (with stages:
     #                                                                                      the longest's batches)
 
@@ -77,7 +87,7 @@ class _Vocabulary:
 
 def report(a, cfg, layout: Layout) -> dict:
     c = a.cluster
-    gpu = GPUS[c.gpu]
+    gpu = cluster_gpu(c)
     mem = memory(cfg, layout, a.rank)
     est = step_time(cfg, layout, gpu, c.gpus_per_node)
     usable = gpu.usable_bytes

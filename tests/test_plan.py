@@ -386,6 +386,23 @@ def test_math_attention_bytes_equal_what_autograd_saves(seq):
                                        math_attention=True)
 
 
+def test_the_inter_node_fabric_is_an_input(capsys):
+    """--cluster.internode_gbps: 32 ranks of FSDP over 4 nodes move their gathers and reduce-scatters over the
+    inter-node link: a ring's (n - 1) / n of the bytes at 80% of it, by hand, at the H100's 50 GB/s and at 25."""
+    plan = launcher("plan")
+    base = ["--model.name", "gpt-modern-7b", "--cluster.nodes", "4", "--train.global_batch_size", "256",
+            "--train.seq_len", "4096", "--parallel.tp", "1", "--train.micro_batch_size", "2", "--json", "--top", "0"]
+    for given, gbps in (([], 50), (["--cluster.internode_gbps", "25"], 25)):
+        assert plan.main([*base, *given]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["layout"] == {"dp_replicate": 1, "dp_shard": 32, "tp": 1}
+        moved = out["fsdp_gather_bytes"] + out["fsdp_scatter_bytes"]
+        assert out["fsdp_comm_s"] == pytest.approx(31 / 32 * moved / (gbps * 1e9 * 0.8), rel=1e-9)
+    assert plan.main([*base, "--cluster.internode_gbps", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --cluster.internode_gbps -1.0 must be a bandwidth in GB/s per "
+                                               "GPU (0 for the GPU type's 50)")
+
+
 def test_accumulation_auto_and_mfu_by_hand():
     """gpt2-124m on 8 ranks (dp_shard 8), 4 microbatches of 2 x 1024. Holding the model unsharded between
     microbatches costs, by hand, the gathered bf16 parameters and the unsharded fp32 gradients: (2 + 4) bytes x N,
