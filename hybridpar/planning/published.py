@@ -142,7 +142,7 @@ REFERENCE_1_3B = (["--model.name", "gpt3-1.3b", "--model.vocab_size", "50304", "
                    "--train.compile", "true"], 8 * 2048 / 60.9e3)
 
 
-def _features() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _features() -> tuple[np.ndarray, ...]:
     """Per measurement: (compute at the peak / token curve, whether TP, FSDP link seconds, the rest of the plan's
     step, d_model) and the measured step; the published rows, then the 1.3B reference."""
     cases = [(config(r), Layout(1, r.dp_shard, r.tp), r) for r in ROWS]
