@@ -144,7 +144,8 @@ class StagePlan:
 
 
 def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on a uint64 array, in place (a 1M-position chunk makes one temporary, not seven)."""
+    """splitmix64's finaliser (Steele, Lea, Flood 2014) on a uint64 array, in place, wrapping mod 2^64 (a 1M-position
+    chunk makes one temporary, not seven)."""
     with np.errstate(over="ignore"):
         z ^= z >> np.uint64(30)
         z *= np.uint64(0xBF58476D1CE4E5B9)
@@ -152,11 +153,6 @@ def _mix(z: np.ndarray) -> np.ndarray:
         z *= np.uint64(0x94D049BB133111EB)
         z ^= z >> np.uint64(31)
     return z
-
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser (Steele, Lea, Flood 2014) of uint64 values, elementwise, wrapping mod 2^64."""
-    return _mix(x.astype(np.uint64, copy=True))
 
 
 def uniform(positions: np.ndarray, seed: int) -> np.ndarray:
