@@ -5,7 +5,7 @@ FSDP.
 - fp8 first (train.fp8, hybridpar/parallel/fp8.py): it swaps nn.Linear for torchao's Float8Linear, which the TP
   styles then shard and FSDP wraps (tensorwise: its weights are torchao's float8 all-gather tensors, which
   fully_shard must see when it shards them).
-- TP first: it swaps parameters for DTensors sharded on the tp axis and installs the collectives; everything after
+- TP next: it swaps parameters for DTensors sharded on the tp axis and installs the collectives; everything after
   it must see the final (local) shapes.
 - Activation checkpointing wraps the TP-ed block, so recomputation replays the TP collectives too.
 - compile after AC, per block: each block compiles once and is reused by every layer of the same shape. A block

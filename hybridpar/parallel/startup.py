@@ -1,7 +1,7 @@
 """The one start-up path of a model (the trainer, the benchmark and the planner's dry run all use it).
 
 1. The model is built on the meta device: shapes only, no memory.
-2. It is parallelised there, in the fixed order (TP -> activation checkpointing -> compile -> FSDP): parameters
+2. It is parallelised there, in the fixed order (fp8 -> TP -> activation checkpointing -> compile -> FSDP): parameters
    become DTensors that know their global shape and which part of it this rank holds.
 3. Each rank allocates only its own shards (`to_empty`) and initialises them: constants directly, random entries
    with models/init.py's keyed tiles, which give every global position the same value whatever the layout.
@@ -66,7 +66,7 @@ def build_parallel_model(cfg: Config, mesh: DeviceMesh, device: torch.device, in
     t1 = time.perf_counter()
     model = parallelize_gpt(model, mesh, cfg)
     t2 = time.perf_counter()
-    report(f"start-up: model built on the meta device in {t1 - t0:.2f}s, parallelised (TP/AC/compile/FSDP "
+    report(f"start-up: model built on the meta device in {t1 - t0:.2f}s, parallelised (fp8/TP/AC/compile/FSDP "
            f"wrappers) in {t2 - t1:.2f}s")
     model.to_empty(device=device)
     if cfg.model.tie_embeddings and model.lm_head.weight is not model.tok_embeddings.weight:

@@ -431,7 +431,8 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     kernels = KERNELS_PER_BLOCK["modern" if m.position == "rope" or m.mlp == "swiglu" else "gpt2"]
     overhead = n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if uses_fsdp(cfg, layout.dp) else 0.0))
     total = compute + recompute_s + tp_comm + exposed + optimizer + muon_ns + muon_comm + overhead
-    return {"step_time_s": total, "compute_s": compute, "compute_at_peak_s": work, "selective_recompute_s": recompute_s, "tp_comm_s": tp_comm,
+    return {"step_time_s": total, "compute_s": compute, "compute_at_peak_s": work,
+            "selective_recompute_s": recompute_s, "tp_comm_s": tp_comm,
             "fsdp_comm_s": fsdp + hsdp,
             "fsdp_exposed_s": exposed, "optimizer_s": optimizer, "muon_ns_s": muon_ns, "muon_comm_s": muon_comm,
             "per_microbatch_overhead_s": overhead,
