@@ -29,8 +29,8 @@ from hybridpar.config import Config, merge_windows
 from hybridpar.data.dataset import build_training_data
 from hybridpar.data.gpt_data import release_index_readers
 from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
-from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, pick_device, set_numerics, start_process_group,
-                                            world_from_env)
+from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, local_tensor, pick_device, set_numerics,
+                                            start_process_group, world_from_env)
 from hybridpar.errors import ConfigError
 from hybridpar.resolve import Run, resolve
 from hybridpar.training.lr_schedule import lr_at
@@ -40,7 +40,7 @@ from hybridpar.training.microbatch import (chunked_loss, count_target_tokens,
 from hybridpar.models import count_params
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
 from hybridpar.inference.in_training import Evaluation
-from hybridpar.training.spikes import batch_number, check_skips, local_tensor, windows_of, windows_tensor
+from hybridpar.training.spikes import batch_number, check_skips, windows_of, windows_tensor
 from hybridpar.training.step_status import StepStatus
 from hybridpar.inference.tasks import load_tasks
 from hybridpar.parallel import autocast_for, start_notes

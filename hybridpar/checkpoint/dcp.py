@@ -48,6 +48,7 @@ from hybridpar.checkpoint.resume_checks import check_model_config, data_changes,
 from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader,
                                             exceptions_in, plain_tensors, read_metadata,
                                             unwrap_checkpoint_exception)
+from hybridpar.parallel.distributed import local_tensor
 
 def _local_bytes(state) -> int:
     """Bytes of the tensors this rank writes for `state` (its own shards)."""
@@ -56,7 +57,7 @@ def _local_bytes(state) -> int:
         if isinstance(v, dict):
             total += _local_bytes(v)
         elif isinstance(v, torch.Tensor):
-            local = v.to_local() if hasattr(v, "to_local") else v
+            local = local_tensor(v)
             total += local.numel() * local.element_size()
     return total
 

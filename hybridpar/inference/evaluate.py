@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.inference.tasks import Task
-from hybridpar.parallel.distributed import dp_rank_size
+from hybridpar.parallel.distributed import dp_rank_size, local_tensor
 
 PAD_TO = 16  # batch lengths are rounded up to this, the same on every layout
 
@@ -37,7 +37,7 @@ def vocab_parallel_logprobs(logits, targets: torch.Tensor, tp_group=None) -> tup
     """(log p(target), target is the argmax) per position, from logits (B, T, V) (a DTensor sharded over the vocab
     under tp, its local slice used) and targets (B, T) (entries < 0 give 0 and False). A vocabulary tp does not
     divide is split as torch.chunk splits it: ceil(V / tp) rows a rank, the last ranks fewer (or none)."""
-    local = (logits.to_local() if hasattr(logits, "to_local") else logits).float()  # (B, T, Vr)
+    local = local_tensor(logits).float()  # (B, T, Vr)
     several = tp_group is not None and dist.get_world_size(tp_group) > 1
     start = dist.get_rank(tp_group) * -(-logits.shape[-1] // dist.get_world_size(tp_group)) if several else 0
     top = local.max(-1).values  # (B, T)

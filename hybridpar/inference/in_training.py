@@ -12,6 +12,7 @@ from torch.distributed.fsdp import FSDPModule
 from hybridpar.inference.evaluate import Scorer, metrics_row, run_task, summary
 from hybridpar.inference.generate import Sampling, generate
 from hybridpar.training.microbatch import IGNORE_INDEX
+from hybridpar.parallel.distributed import local_tensor
 
 
 class Evaluation:
@@ -53,7 +54,7 @@ class Evaluation:
                         break
                     with self.loss_context(), self.autocast():
                         loss = self.forward_loss(self.model, x.to(self.device), y.to(self.device))
-                    total[g, 0] += loss.to_local() if hasattr(loss, "to_local") else loss
+                    total[g, 0] += local_tensor(loss)
                     total[g, 1] += (y != IGNORE_INDEX).sum()
         self.model.train()
         total = self._dp_sum(total)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from hybridpar.config import ParallelConfig
 from hybridpar.errors import ConfigError
@@ -165,6 +166,11 @@ def process_group_options(cfg: ParallelConfig, device: torch.device) -> dict:
     if device.type == "cuda":
         options["device_id"] = device
     return options
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of t: a DTensor's local tensor (to_local(), which autograd follows), any other tensor as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:

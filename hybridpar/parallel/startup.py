@@ -25,6 +25,7 @@ from hybridpar.config import Config
 from hybridpar.models import build_model
 from hybridpar.models.init import keyed_normal_
 from hybridpar.parallel import parallelize_gpt
+from hybridpar.parallel.distributed import local_tensor
 
 # Module-name parts that wrappers insert (activation checkpointing, torch.compile): not part of a parameter's name.
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -44,7 +45,7 @@ def init_sharded_(model: nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         name = plain_name(name)
         kind, std = table[name]
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = local_tensor(p)
         if kind != "normal":
             local.fill_(1.0 if kind == "ones" else 0.0)
             continue

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
-from hybridpar.parallel.distributed import MESH_AXES
+from hybridpar.parallel.distributed import MESH_AXES, local_tensor
 from hybridpar.parallel.startup import build_parallel_model
 from hybridpar.training.muon import muon_plan
 from hybridpar.training.optim import make_optimizer, takes_muon
@@ -30,7 +30,7 @@ from hybridpar.training.optim import make_optimizer, takes_muon
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor holding t's memory on this rank: a DTensor's local shard, an async collective's result."""
-    t = t.to_local() if hasattr(t, "to_local") else t
+    t = local_tensor(t)
     return t.trigger_wait() if hasattr(t, "trigger_wait") else t
 
 

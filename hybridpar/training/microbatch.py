@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.data.gpt_data import IGNORE_INDEX
+from hybridpar.parallel.distributed import local_tensor
 
 
 class StopMidStep(Exception):
@@ -102,7 +103,7 @@ def forward_backward_no_pipelining(
                 loss = forward_loss(model, x, y) / num_global_tokens
             (loss * grad_scale).backward()
         loss = loss.detach()
-        total += loss.to_local() if hasattr(loss, "to_local") else loss  # a replicated DTensor under loss_parallel
+        total += local_tensor(loss)  # a replicated DTensor under loss_parallel
         if not last and stop_now():
             raise StopMidStep(i + 1, n)
     return total

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from hybridpar.parallel.distributed import local_tensor
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 HIDDEN_MATRIX = re.compile(r"layers\.\d+\.(attn\.w[qkvo]|mlp\.(gate|up|down))\.weight")
 
@@ -56,10 +58,6 @@ def ns_flops(shape: tuple[int, int], steps: int) -> int:
     its product with X (2 m^2 n), m the shorter side."""
     m, n = sorted(shape)
     return steps * (4 * m * m * n + 2 * m ** 3)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def shard_group(p: torch.Tensor) -> tuple[tuple[int, ...], int]:
@@ -111,7 +109,7 @@ def muon_plan(matrices: list[torch.Tensor], steps: int, gather: bool = False) ->
     groups = {shard_group(p) for p in matrices}
     assert len(groups) == 1, groups
     (ranks, k), = groups
-    mine = [_local(p).numel() for p in matrices]
+    mine = [local_tensor(p).numel() for p in matrices]
     return owner_share([tuple(p.shape) for p in matrices], mine, len(ranks), k, steps, gather)
 
 
@@ -158,17 +156,17 @@ class Muon(torch.optim.Optimizer):
             mu = group["momentum"]
             updates = []
             for p in params:
-                g = _local(p.grad)
+                g = local_tensor(p.grad)
                 buf = self.state[p].get("momentum_buffer")
                 if buf is None:
                     buf = self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-                buf = _local(buf)
+                buf = local_tensor(buf)
                 new = buf.lerp(g, 1 - mu) if keep is not None else buf.lerp_(g, 1 - mu)
                 updates.append(g.lerp(new, mu) if group["nesterov"] else new)
                 if keep is not None:
                     buf.copy_(torch.where(keep, new, buf))
             for p, o in zip(params, self._orthogonalise(params, updates, group["ns_steps"])):
-                w = _local(p)
+                w = local_tensor(p)
                 lr = group["lr"]
                 step = -lr * update_scale(tuple(p.shape), group["scale"])
                 if keep is None:

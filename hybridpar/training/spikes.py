@@ -16,6 +16,7 @@ import torch
 
 from hybridpar.config import SpikeConfig, merge_windows
 from hybridpar.errors import ConfigError
+from hybridpar.parallel.distributed import local_tensor
 
 
 def batch_number(step: int, windows: list[tuple[int, int]]) -> int:
@@ -79,10 +80,6 @@ def find_spike(cfg: SpikeConfig, history: list[tuple[float, float]], loss: float
         reason = spike_reason("gradient norm", grad_norm, [h[1] for h in history], cfg.grad_norm_zscore,
                               cfg.grad_norm_min_rise)
     return reason
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _live_tensors(optimizer) -> list[tuple[str, torch.Tensor]]:
