@@ -63,7 +63,7 @@ GEMM_HALF_WIDTH = 768     # d_model at which that rate halves: wider layers run 
 TP_COMPUTE_PENALTY = 0.352  # a tensor-parallel step computes this much longer than its FLOPs say (smaller GEMMs per
 #                            rank, the norms and casts between them; its collectives are counted apart)
 FSDP_EXPOSED_SHARE = 0.456  # share of FSDP's all-gathers and reduce-scatters that compute does not hide
-MATMUL_EFFICIENCY_TOKENS = 16384  # GEMM rows (micro-batch tokens) at which gemm_efficiency's token curve is 1
+GEMM_FULL_RATE_TOKENS = 16384  # GEMM rows (micro-batch tokens) at which gemm_efficiency's token curve is 1
 # Per-microbatch costs, which make many small microbatches slower than few large ones (docs/planning.md says how
 # these were chosen; none is measured on a GPU yet):
 GEMM_HALF_TOKENS = 512    # a GEMM with this many rows (tokens) runs at half its large-matrix rate
@@ -294,11 +294,16 @@ def _ring(bytes_: float, n: int, gbps: float, all_reduce: bool = False) -> float
 
 
 def token_curve(tokens: int) -> float:
-    """GEMM rate at `tokens` rows relative to MATMUL_EFFICIENCY_TOKENS rows: M / (M + GEMM_HALF_TOKENS), normalised
+    """GEMM rate at `tokens` rows relative to GEMM_FULL_RATE_TOKENS rows: M / (M + GEMM_HALF_TOKENS), normalised
     (2048-token microbatches run at 83% of a 16k-token one's rate)."""
     def curve(m):
         return m / (m + GEMM_HALF_TOKENS)
-    return curve(tokens) / curve(MATMUL_EFFICIENCY_TOKENS)
+    return curve(tokens) / curve(GEMM_FULL_RATE_TOKENS)
+
+
+def exposed_fsdp(comm: float, compute: float) -> float:
+    """Seconds of FSDP link time `comm` that a step with `compute` seconds of compute does not hide."""
+    return max(FSDP_EXPOSED_SHARE * comm, comm - compute)
 
 
 def gemm_efficiency(tokens: int, d_model: int) -> float:
@@ -411,11 +416,11 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
             gathers += n_micro
         rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
         hsdp = _ring(params_tp * 4 / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
-        exposed = max(FSDP_EXPOSED_SHARE * (fsdp + hsdp), fsdp + hsdp - compute)
+        exposed = exposed_fsdp(fsdp + hsdp, compute)
     params_local = local_param_count(m, layout)[0]
     optimizer = 28 * params_local / (gpu.hbm_gbps * 1e9)
     muon = muon_share(cfg, layout)  # rank 0: member 0 owns the most matrices
-    muon_ns = muon["muon_ns_flops"] / (gpu.peak_tflops * 1e12 * gemm_efficiency(MATMUL_EFFICIENCY_TOKENS, m.d_model))
+    muon_ns = muon["muon_ns_flops"] / (gpu.peak_tflops * 1e12 * gemm_efficiency(GEMM_FULL_RATE_TOKENS, m.d_model))
     muon_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
     muon_comm = muon["muon_comm_bytes"] / (muon_bw * 1e9 * LINK_EFFICIENCY)
     if cfg.optim.name == "muon":  # its matrices stream 20 bytes (read p, g, b; write p, b), not AdamW's 28

@@ -30,8 +30,8 @@ import numpy as np
 
 from hybridpar.config import Config
 from hybridpar.config.cli import load_config
-from hybridpar.planning import cost
-from hybridpar.planning.cost import GIB, GPUS, _ring, all_gather_bytes, memory, step_time, token_curve
+from hybridpar.planning.cost import (GIB, GPUS, _ring, all_gather_bytes, exposed_fsdp, memory, step_time,
+                                     token_curve)
 from hybridpar.planning.shapes import Layout, local_param_count
 
 SOURCE = "KempnerForge mfu_scaling.md (2026-04-05), H200, 4 GPUs per node"
@@ -130,9 +130,7 @@ def published_fsdp_seconds(cfg: Config, row: Row) -> float:
 def published_step(cfg: Config, row: Row) -> float:
     """A published row's step time as planned: hybridpar's time model with the row's FSDP schedule."""
     s = step_time(cfg, Layout(1, row.dp_shard, row.tp), GPUS["h200"], GPUS_PER_NODE)
-    comm = published_fsdp_seconds(cfg, row)
-    exposed = max(cost.FSDP_EXPOSED_SHARE * comm, comm - s["compute_s"])
-    return s["step_time_s"] - s["fsdp_exposed_s"] + exposed
+    return s["step_time_s"] - s["fsdp_exposed_s"] + exposed_fsdp(published_fsdp_seconds(cfg, row), s["compute_s"])
 
 
 # One more measurement the fit takes: a plain GPT-3 1.3B training loop (micro-batch 8 x 2048, bf16, compiled, no
