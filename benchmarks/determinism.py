@@ -88,7 +88,7 @@ def sensitivity(_args) -> int:
 
     from hybridpar.config.cli import load_config
     from hybridpar.parallel.distributed import shutdown
-    from hybridpar.trainer import start_trainer
+    from hybridpar.session import start_trainer
 
     cache = Path(tempfile.mkdtemp(prefix="hybridpar-determinism-"))
     cfg = load_config([*ARGS, "--data.cache_dir", str(cache)])

@@ -28,7 +28,8 @@ import torch
 
 from hybridpar.config.cli import load_config
 from hybridpar.parallel.distributed import shutdown
-from hybridpar.trainer import Trainer, start_trainer
+from hybridpar.session import start_trainer
+from hybridpar.trainer import Trainer
 
 
 def _trainer(overrides: list[str]) -> Trainer:
@@ -39,7 +40,7 @@ def _trainer(overrides: list[str]) -> Trainer:
 def check_syncs(overrides: list[str], steps: int = 4) -> dict:
     trainer = _trainer(overrides)
     trainer.train_step(0)  # warm-up: allocations, the optimizer's state, the first batch read in this thread
-    trainer.settle()
+    trainer.read_status()
     found: list[str] = []
     if trainer.device.type == "cuda":
         with warnings.catch_warnings(record=True) as caught:
@@ -65,7 +66,7 @@ def check_syncs(overrides: list[str], steps: int = 4) -> dict:
                 setattr(torch.Tensor, n, f)
         kind = "host reads (CPU)"
     fused = all(g.get("fused") for g in trainer.optimizer.param_groups)
-    trainer.settle()
+    trainer.read_status()
     trainer.data.close()
     return {"check": "syncs", "kind": kind, "steps": steps, "fused_adamw": fused, "syncs": len(found),
             "first": found[:5], "ok": not found or not fused}
@@ -79,7 +80,7 @@ def check_bitwise(overrides: list[str], steps: int = 5) -> dict:
         for step in range(steps):
             loss, _, _ = trainer.train_step(step)
             losses.append(float(trainer._dp_sum(loss)))
-        trainer.settle()
+        trainer.read_status()
         weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                    for n, p in trainer.model.named_parameters()}
         trainer.data.close()
@@ -129,12 +130,12 @@ def check_compile(overrides: list[str]) -> dict:
 
     trainer = _trainer(overrides + ["--train.compile", "true"])
     trainer.train_step(0)
-    trainer.settle()
+    trainer.read_status()
     after_step = counters["stats"]["unique_graphs"]
     trainer.train_step(1)
-    trainer.settle()
-    trainer.evaluate()
-    trainer.sample("The ", 12, 0.8)
+    trainer.read_status()
+    trainer.evaluator.validation()
+    trainer.evaluator.sample("The ", 12, 0.8)
     trainer.data.close()
     graphs = counters["stats"]["unique_graphs"]
     breaks = dict(counters["graph_break"])

@@ -1,6 +1,7 @@
 """Resolve a config once, into a frozen Run: every derived value and every check, in one written order, before
 any model is built or any data prepared. The trainer, launch/plan.py, launch/benchmark.py and the dry run all call
-`resolve`; nothing writes the config afterwards (its dataclasses are frozen).
+`resolve` (the launchers through `begin`, which starts the process group first); nothing writes the config
+afterwards (its dataclasses are frozen).
 
 The order (docs/training.md walks it):
  0. the same config on every rank (compared at once: a rank started with other arguments stops every rank)
@@ -35,11 +36,13 @@ from hybridpar.checkpoint.run_dir import RunDirLock
 from hybridpar.config import Config
 from hybridpar.data.dataset import load_data_tokenizer, train_batches
 from hybridpar.data.stages import StagePlan, stage_micro_batch
+from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.errors import ConfigError, DataError, RunDirError
 from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
 from hybridpar.parallel.fp8 import check_fp8
-from hybridpar.parallel.distributed import WorldInfo, gpus_per_node, resolve_degrees
+from hybridpar.parallel.distributed import (WorldInfo, gpus_per_node, pick_device, resolve_degrees,
+                                            start_process_group, world_from_env)
 from hybridpar.planning.layouts import (check_auto, choose_accumulation, choose_layout, describe_choice, gpu_by_name,
                                         refuse_if_too_big, usable_bytes)
 from hybridpar.planning.cost import GPU, GPUS
@@ -53,7 +56,7 @@ class Run:
     world: WorldInfo
     device: torch.device
     layout: Layout
-    tokenizer: object
+    tokenizer: Tokenizer
     run_dir: Path
     load_from: Path | None  # the checkpoint this run starts from
     run_state: Mapping  # that checkpoint's run_state.json ({} without one)
@@ -301,3 +304,16 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         raise
     return Run(cfg, world, device, layout, tokenizer, run_dir, load_from, MappingProxyType(dict(run_state)), lock,
                stages, choice)
+
+
+def begin(cfg: Config, own_run_dir: bool = False, tokenizer=None) -> Run:
+    """The first half of every start-up (training, inference, benchmarks): this process's world and device, the
+    process group, then resolve (with own_run_dir, the run dir's lock taken and the checkpoint to resume found)."""
+    world = world_from_env()
+    device = pick_device(cfg.train.device, world.local_rank)
+    start_process_group(cfg.parallel, device, world)
+    try:
+        return resolve(cfg, world, device, own_run_dir=own_run_dir, tokenizer=tokenizer)
+    except ConfigError as e:
+        e.on_every_rank = True  # resolve compares the ranks' configs first: every rank raised this one
+        raise

@@ -1,6 +1,8 @@
-"""The trainer: one loop for every layout. It takes a resolved Run (hybridpar.resolve) and the mesh of its degrees;
-the data loader takes the data-parallel rank and size; hooks receive the trainer after each step (checkpointing,
-extra logging); state_dict() is what a checkpoint keeps of the loop.
+"""The trainer: one loop for every layout. It takes a resolved Run (hybridpar.resolve) and the mesh of its degrees,
+builds its data and model, and owns its parts: the loop's record (TrainState, what a checkpoint keeps, a resume or a
+rewind replaces), the queue of step statuses, the evaluator, and, in a training run (hybridpar.session), the
+checkpointer and the host copies a spike rewind goes back to. The parts are given what they need and return
+decisions; the loop acts on them.
 
 Host syncs: none inside a step with the fused AdamW (the default on GPUs): a non-finite gradient norm skips the
 update on the device (the optimizer's found_inf, as with a gradient scaler), and the norm with the ranks' stop votes
@@ -11,53 +13,44 @@ until a log step.
 
 from __future__ import annotations
 
-import logging
 import math
+import shutil
 import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from hybridpar.config import Config, merge_windows
+from hybridpar.checkpoint.layout import checkpoint_dir, is_complete, latest_checkpoint, list_checkpoints, step_of
+from hybridpar.checkpoint.rewind import plan_rewind, rerun_verdict, write_skipped
+from hybridpar.config import merge_windows
 from hybridpar.data.dataset import build_training_data
-from hybridpar.data.gpt_data import release_index_readers
-from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
-from hybridpar.parallel.distributed import (dp_rank_size, init_mesh, local_tensor, pick_device, set_numerics,
-                                            start_process_group, world_from_env)
-from hybridpar.errors import ConfigError
-from hybridpar.resolve import Run, resolve
-from hybridpar.training.lr_schedule import lr_at
-from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary
-from hybridpar.training.microbatch import (chunked_loss, count_target_tokens,
-                                           forward_backward_no_pipelining, logits_loss)
-from hybridpar.models import count_params
-from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
-from hybridpar.inference.in_training import Evaluation
-from hybridpar.training.spikes import batch_number, check_skips, windows_of, windows_tensor
-from hybridpar.training.step_status import StepStatus
+from hybridpar.inference.evaluate import metrics_row, summary
+from hybridpar.inference.in_training import Evaluator
 from hybridpar.inference.tasks import load_tasks
+from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary
+from hybridpar.models import count_params
 from hybridpar.parallel import autocast_for, start_notes
+from hybridpar.parallel.distributed import dp_rank_size, local_tensor, set_numerics
 from hybridpar.parallel.fp8 import fp8_scales
 from hybridpar.parallel.startup import build_parallel_model
+from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
+from hybridpar.resolve import Run
+from hybridpar.training.lr_schedule import lr_at
+from hybridpar.training.microbatch import (chunked_loss, count_target_tokens, forward_backward_no_pipelining,
+                                           logits_loss)
+from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
+from hybridpar.training.spikes import HostCopies, check_skips, find_spike, windows_text
+from hybridpar.training.state import TrainState
+from hybridpar.training.step_status import StatusQueue, StepReading, TrainingDiverged
 
-
-# DTensor warns when a norm reduces over two mesh axes with two all-reduces. Every rank still gets the same value
-# (the first all-reduce leaves identical partial sums inside each group), and it happens once per step for the
-# gradient norm, so the warning is noise for hybridpar's layouts.
-logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-
-
-class Hook(Protocol):
-    def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
-    def on_train_end(self, trainer: "Trainer") -> None: ...
-    # optional: on_gradients(trainer, step), after backward and before clipping (fault-injection drills)
+LOCAL_STATS_STEPS = 10_000  # steps of this rank's own numbers kept for spike.rerun (a rerun compares those it has)
 
 
 @dataclass
@@ -69,87 +62,72 @@ class TrainResult:
     preempted: bool = False  # stopped early by a signal (after saving, when checkpointing is on)
 
 
-def start_trainer(cfg: Config, own_run_dir: bool = False, hooks: list[Hook] = ()) -> "Trainer":
-    """The one start-up path (launch/pretrain_gpt.py, launch/benchmark.py, benchmarks/): this process's world and
-    device, the process group, resolve (hybridpar.resolve), the mesh of its degrees, the Trainer. The model is left
-    uninitialised when the run resumes from a checkpoint (run.load_from): each rank then reads its shards into it."""
-    world = world_from_env()
-    device = pick_device(cfg.train.device, world.local_rank)
-    start_process_group(cfg.parallel, device, world)
-    try:
-        run = resolve(cfg, world, device, own_run_dir=own_run_dir)
-    except ConfigError as e:
-        e.on_every_rank = True  # resolve compares the ranks' configs first: every rank raised this one
-        raise
-    try:
-        return Trainer(run, init_mesh(run.layout.degrees, device), hooks, init_weights=run.load_from is None)
-    except BaseException:
-        if run.lock is not None:
-            run.lock.release()
-        release_index_readers()  # the data a failed start-up opened: megatron-core's readers keep their .idx open
-        raise
+@dataclass(frozen=True)
+class StepNumerics:
+    """How a forward runs and its loss is taken on this layout (training and evaluation alike)."""
+    autocast: Callable  # the forward's context (bf16 autocast where FSDP does not cast already)
+    forward_loss: Callable  # (model, x, y) -> token-loss sum
+    loss_context: Callable  # loss_parallel under tensor parallelism
+    grad_scale: float  # FSDP averages gradients over dp; the loss wants their sum
+    fp8_scales: Callable | None  # float8 all-gathers: the weights' scales, computed before each forward
+
+    @classmethod
+    def of(cls, cfg, model, tp: int, dp_size: int, device: torch.device) -> "StepNumerics":
+        t = cfg.train
+        if tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+            loss_context, forward_loss = loss_parallel, logits_loss
+        else:
+            loss_context = nullcontext
+            fused = t.loss_chunk_tokens and not (t.fp8 != "off" and t.fp8_linears == "all")  # (fp8 head: a module)
+            forward_loss = partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if fused else logits_loss
+        return cls(autocast_for(model, t.precision, device), forward_loss, loss_context,
+                   float(dp_size) if isinstance(model, FSDPModule) else 1.0, fp8_scales(model, cfg))
 
 
-class Trainer(StepStatus, Evaluation):
-    def __init__(self, run: Run, mesh: DeviceMesh, hooks: list[Hook] = (), init_weights: bool = True):
+class Trainer:
+    def __init__(self, run: Run, mesh: DeviceMesh, init_weights: bool = True, checkpointer=None,
+                 copies: HostCopies | None = None):
         """The loop of a resolved run on its mesh. init_weights=False leaves the shards uninitialised, for a
-        checkpoint to be loaded into."""
+        checkpoint to be loaded into. Without a checkpointer (hybridpar.checkpoint.dcp) nothing is saved and a
+        loss spike is only reported; `copies` keeps the newest checkpoints in host memory for rewinds."""
         cfg, device = run.cfg, run.device
         self.run, self.cfg, self.mesh, self.device, self.run_dir = run, cfg, mesh, device, run.run_dir
-        self.hooks = list(hooks)
         self.rank = dist.get_rank()
         self.dp_rank, self.dp_size = dp_rank_size(mesh)
-        self.tp = mesh["tp"].size()
         set_numerics(cfg.train.deterministic, cfg.train.tf32)
         if cfg.train.compile and self.rank == 0:
             torch._logging.set_logs(recompiles=True)  # a recompilation says which guard failed, when it happens
-        self.log: MetricsLogger | None = None  # opened by fit() (or the launcher): a Trainer writes nothing itself
+        self.log: MetricsLogger | None = None  # opened by fit() (or the session): a Trainer writes nothing itself
         for note in start_notes(cfg, device):
             self.say(note)
         t0 = time.perf_counter()
         self.data = build_training_data(run, self.dp_rank, self.dp_size)
         self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (indexes, sample order)")
         self.tokenizer = run.tokenizer
-        t = cfg.train
-        self.tasks = load_tasks(t.eval_tasks, cfg.data)  # read and checked now: a bad task file stops the start
+        tasks = load_tasks(cfg.train.eval_tasks, cfg.data)  # read and checked now: a bad task file stops the start
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
         self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
-        ns_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
+        ns_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
         self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
-        self.fp8_scales = fp8_scales(self.model, cfg)  # float8 all-gathers: the weights' scales, before each forward
-        fsdp = isinstance(self.model, FSDPModule)
-        self.autocast = autocast_for(self.model, cfg.train.precision, device)
-        self.grad_scale = float(self.dp_size) if fsdp else 1.0  # FSDP averages over dp; the loss wants the sum
-        if self.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-            self.loss_context, self.forward_loss = loss_parallel, logits_loss
-        else:
-            self.loss_context = nullcontext
-            fused = t.loss_chunk_tokens and not (t.fp8 != "off" and t.fp8_linears == "all")  # (fp8 head: a module)
-            self.forward_loss = partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if fused else logits_loss
-        self.step = 0  # optimizer steps done
-        self.consumed_samples = 0  # samples of all ranks trained so far (step x global batch)
-        self.skipped_steps = self.consecutive_skips = 0  # non-finite steps
-        # Loss spikes (hybridpar.training.spikes): the batches never trained (data.skip_batches, then each rewind's),
-        # the window of earlier (loss, grad norm) the test compares with, the rewinds done, the end of a rewind's
-        # learning-rate scaling. All of it is checkpointed: a resumed run decides and trains what this one would.
-        self.skip_windows = list(cfg.data.skip_windows)
-        self.spike_history: list[tuple[float, float]] = []
-        self.rewinds = self.lr_scale_until = 0
-        self.spike: tuple[int, str] | None = None  # (step, why) of a spike found, acted on at the step's end
-        self.local_stats: dict[int, tuple[float, float]] = {}  # step -> this rank's (loss share, grad shard norm^2)
-        self.replaying = False  # a rerun of steps already trained (spike.rerun): nothing logged, nothing tested
-        self.rotate_data = False  # spike.rerun=rotate: this step, each data-parallel rank takes its neighbour's batch
-        self.rewinder = None  # set by the launcher (hybridpar.checkpoint.rewind.Rewinder) when train.spike=rewind
-        self.data.train.order = lambda step: batch_number(step + 1, self.skip_windows) - 1
-        self.check_skips([])
-        # Set by a signal handler; acted on at the end of the step (after the current microbatch when no checkpoint
-        # would be saved: _stop_mid_step).
-        self.stop_requested, self.stop_signal = False, 0
-        self.stop_voted = False  # some rank asked to stop (settled from a step's status)
-        self._pending: list[tuple[int, torch.Tensor]] = []  # (step, status) of steps not yet read on the host
+        self.numerics = StepNumerics.of(cfg, self.model, mesh["tp"].size(), self.dp_size, device)
+        self.evaluator = Evaluator(cfg, self.model, mesh, device, self.tokenizer, self.numerics, self.data, tasks,
+                                   self._dp_sum, self._poll_stop)
+        self.checkpointer, self.copies = checkpointer, copies if copies is not None else HostCopies(0)
+        self._last_saved = -1  # the step of the newest checkpoint this process saved
+        self.state = TrainState(skip_windows=list(cfg.data.skip_windows))
+        self.status = StatusQueue()
         self._device_skip = all(g.get("fused") for g in self.optimizer.param_groups if not g.get("muon"))
+        self.check_skips([])
+        # Loss spikes: (step, why) of a spike found, acted on at the step's end; this rank's (loss share, gradient
+        # shard norm^2) by step, which a rerun compares; whether steps are being replayed (nothing tested then).
+        self.spike: tuple[int, str] | None = None
+        self.local_stats: dict[int, tuple[float, float]] = {}
+        self.replaying = False
+        # Set by a signal handler (request_stop); acted on at the end of the step (after the current microbatch when
+        # no checkpoint would be saved: _stop_mid_step). stop_voted: some rank asked (read from a step's status).
+        self.stop_requested, self.stop_signal, self.stop_voted = False, 0, False
         self.data_wait_seconds = 0.0  # time train steps waited on data since the last log row (read-ahead hides most)
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
         self.flops_per_token = flops_per_token_of(cfg.model, cfg.train.seq_len)
@@ -165,42 +143,60 @@ class Trainer(StepStatus, Evaluation):
         """Stop at the end of this step, or after this microbatch when nothing would be saved (a signal handler)."""
         self.stop_requested, self.stop_signal = True, signum
 
-    # -- what a checkpoint keeps of the loop (hybridpar.checkpoint.dcp saves and restores it) ------------------
-    def state_dict(self) -> dict:
-        """(With data.stages also stage_origin: [batch, counts...] where the stages were last changed on resume.)"""
-        state = {"step": self.step, "consumed_samples": self.consumed_samples, "skipped": self.skipped_steps,
-                 "skip_streak": self.consecutive_skips, "skip_windows": windows_tensor(self.skip_windows),
-                 "spike_history": torch.tensor(self.spike_history, dtype=torch.float64).reshape(-1, 2),
-                 "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until}
+    def take_data_wait(self) -> float:
+        """The seconds train steps waited on data since the last call (or log row); counting starts again."""
+        seconds, self.data_wait_seconds = self.data_wait_seconds, 0.0
+        return seconds
+
+    # -- the loop's position: what a checkpoint keeps, what a resume and a rewind replace ------------------------
+    def position(self) -> dict:
+        """The TrainState's entries, with a staged run's stage_origin ([batch, counts...] where the stages were
+        last changed on resume)."""
+        state = self.state.state_dict()
         if self.run.stages is not None:
             state["stage_origin"] = torch.from_numpy(self.data.train.dataset.origin())
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        """A checkpoint's trainer state (older checkpoints lack the spike fields). The skipped batches are the
-        union of the checkpoint's and this run's data.skip_batches."""
-        self.step, self.consumed_samples = int(state["step"]), int(state["consumed_samples"])
-        self.skipped_steps, self.consecutive_skips = int(state["skipped"]), int(state.get("skip_streak", 0))
-        saved = windows_of(state["skip_windows"]) if "skip_windows" in state else []
-        self.skip_windows = merge_windows(saved + list(self.cfg.data.skip_windows))
-        self.check_skips(saved)
-        history = state.get("spike_history")
-        self.spike_history = [] if history is None else [tuple(r) for r in history.reshape(-1, 2).tolist()]
-        self.rewinds, self.lr_scale_until = int(state.get("rewinds", 0)), int(state.get("lr_scale_until", 0))
+    def resume(self, path, weights_only: bool = False, skipped: tuple[list, int] = ([], 0)) -> list[str]:
+        """Load checkpoint `path` (its weights only, with weights_only) and continue from its position: the skipped
+        batches are the union of the checkpoint's, this run's data.skip_batches and `skipped` (the windows and rewind
+        count the run dir recorded since that checkpoint). Returns the data settings that changed."""
+        from hybridpar.checkpoint.resume_checks import stage_origin
+
+        saved, changes = self.checkpointer.load(path, self.model, self.optimizer, weights_only)
+        if saved is None:
+            return changes
+        state = TrainState.of(saved)
+        windows = list(state.skip_windows)
+        state.skip_windows = merge_windows(windows + list(self.cfg.data.skip_windows))
+        self.state = state
+        self.check_skips(windows)
+        if self.run.stages is not None:  # each source continues where it was, also after a change of stages
+            origin = stage_origin(path, self.cfg, self.run.stages, saved.get("stage_origin"),
+                                  state.batch_for(state.step))
+            if origin is not None:
+                self.data.train.dataset.restart_at(*origin)
+        state.skip_windows = merge_windows(state.skip_windows + list(skipped[0]))
+        state.rewinds = max(state.rewinds, skipped[1])
+        return changes
 
     def check_skips(self, saved: list[tuple[int, int]]) -> None:
         """data.skip_batches against the position (hybridpar.training.spikes.check_skips), on every rank alike."""
-        error = check_skips(self.cfg, self.step, saved, self.skip_windows, self.data.train.n_steps)
+        error = check_skips(self.cfg, self.state.step, saved, self.state.skip_windows, self.data.train.n_steps)
         if error is not None:
             error.on_every_rank = True  # (every rank checks the same numbers: said once)
             raise error
 
     def say(self, message: str) -> None:
-        """A console line from rank 0, through the metrics logger once fit() (or the launcher) has opened it."""
+        """A console line from rank 0, through the metrics logger once fit() (or the session) has opened it."""
         if self.log is not None:
             self.log.print(message)
         elif self.rank == 0:
             print(message, flush=True)
+
+    def _log(self, row: dict) -> None:
+        if self.log is not None:
+            self.log.log(row)
 
     def _stop_mid_step(self) -> bool:
         """Without checkpointing nothing is saved at the step's end: a stop need not wait for it (minutes on CPU)."""
@@ -214,57 +210,6 @@ class Trainer(StepStatus, Evaluation):
                     dist.all_reduce(t, group=self.mesh[axis].get_group())
         return t
 
-    # -- one optimizer step -----------------------------------------------------------------------------------
-    def train_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step. Returns (loss share, grad norm, lr), the first two on the device. A non-finite
-        gradient norm skips the optimizer update; the norm and the ranks' stop votes are read by settle()."""
-        # Random numbers (dropout) come from (seed, step): a resumed run draws exactly what the uninterrupted one did.
-        torch.manual_seed(self.cfg.train.seed * 1_000_003 + step)
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
-        if self.fp8_scales is not None:
-            self.fp8_scales()
-        if step < self.lr_scale_until:  # the steps after a rewind (spike.lr_scale, spike.lr_steps)
-            lr *= self.cfg.spike.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * peak_lr_ratio(group, self.cfg.optim)
-        t0 = time.perf_counter()
-        # Copied to the device at once, asynchronously (the loader pins them on a GPU), so the target-token count
-        # below is computed there: counting on the host first would make its copy a blocking one.
-        loader = self.data.train
-        batch = loader.load(loader.order(step), rank_shift=1) if self.rotate_data else loader.microbatches(step)
-        microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                        for x, y in batch]
-        self.data_wait_seconds += time.perf_counter() - t0
-        self.batch_crc32 = self.data.train.crc32.pop(self.data.train.order(step), None)
-        # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
-        n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
-        loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
-                                              forward_loss=self.forward_loss, grad_scale=self.grad_scale,
-                                              autocast=self.autocast, loss_context=self.loss_context,
-                                              stop_now=self._stop_mid_step,
-                                              accumulate_unsharded=self.cfg.parallel.accumulate_unsharded)
-        for hook in self.hooks:
-            if hasattr(hook, "on_gradients"):
-                hook.on_gradients(self, step + 1)
-        if self.cfg.spike.rerun != "off":  # this rank's own numbers, for a rerun to compare with
-            shard_sq = sum((local_tensor(p.grad).float() ** 2).sum() for p in self.model.parameters() if p.grad is not None)
-            self.local_stats[step + 1] = torch.stack([loss.detach().float().reshape(()), shard_sq])
-        grad_norm = clip_grad_norm(self.model, self.cfg.train.grad_clip).reshape(()).float()
-        # (norm, stop vote, global loss when spikes are tested): settled by settle(), now or one step late
-        parts = [grad_norm, self._stop_vote()]
-        if self.cfg.train.spike != "off":
-            parts.append(self._dp_sum(loss.detach().clone().float().reshape(())))
-        status = torch.stack(parts)
-        self._pending.append((step + 1, status))
-        if self._device_skip:  # the fused kernel skips the whole update when found_inf is nonzero: no host read
-            self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
-            self.optimizer.step()
-        elif self.settle():  # the unfused optimizer can only be skipped from the host: read the status now
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.consumed_samples += self.cfg.train.global_batch_size
-        return loss, grad_norm, lr
-
     def _stop_vote(self) -> torch.Tensor:
         """1.0 on every rank when any rank was asked to stop, on the device (a fill kernel, not a host copy)."""
         flag = torch.full((), float(self.stop_requested), device=self.device)
@@ -272,14 +217,262 @@ class Trainer(StepStatus, Evaluation):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
+    def _poll_stop(self) -> bool:
+        """Whether any rank asked to stop, read now (between two evaluation batches or tasks)."""
+        self.stop_voted = self.stop_voted or bool(self._stop_vote())
+        return self.stop_voted
+
+    # -- one optimizer step -----------------------------------------------------------------------------------
+    def train_step(self, step: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Optimizer step step + 1 (`step` are done). Returns (loss share, grad norm, lr), the first two on the
+        device. A non-finite gradient norm skips the optimizer update; the norm and the ranks' stop votes are read
+        by read_status(). rotate: each data-parallel rank trains its neighbour's batch (a spike.rerun=rotate
+        replay)."""
+        cfg, n = self.cfg, self.numerics
+        # Random numbers (dropout) come from (seed, step): a resumed run draws exactly what the uninterrupted one did.
+        torch.manual_seed(cfg.train.seed * 1_000_003 + step)
+        lr = lr_at(step, cfg.optim, cfg.train.steps)
+        if n.fp8_scales is not None:
+            n.fp8_scales()
+        if step < self.state.lr_scale_until:  # the steps after a rewind (spike.lr_scale, spike.lr_steps)
+            lr *= cfg.spike.lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * peak_lr_ratio(group, cfg.optim)
+        t0 = time.perf_counter()
+        # Copied to the device at once, asynchronously (the loader pins them on a GPU), so the target-token count
+        # below is computed there: counting on the host first would make its copy a blocking one.
+        loader, batch = self.data.train, self.state.batch_for(step)
+        host = loader.load(batch, rank_shift=1) if rotate else loader.microbatches(step, self.state.batch_for)
+        microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                        for x, y in host]
+        self.data_wait_seconds += time.perf_counter() - t0
+        self.batch_crc32 = loader.crc32.pop(batch, None)
+        # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
+        n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
+        loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
+                                              forward_loss=n.forward_loss, grad_scale=n.grad_scale,
+                                              autocast=n.autocast, loss_context=n.loss_context,
+                                              stop_now=self._stop_mid_step,
+                                              accumulate_unsharded=cfg.parallel.accumulate_unsharded)
+        local = None
+        if cfg.spike.rerun != "off":  # this rank's own numbers, for a rerun to compare with
+            shard_sq = sum((local_tensor(p.grad).float() ** 2).sum() for p in self.model.parameters()
+                           if p.grad is not None)
+            local = torch.stack([loss.detach().float().reshape(()), shard_sq])
+        grad_norm = clip_grad_norm(self.model, cfg.train.grad_clip).reshape(()).float()
+        # (norm, stop vote, global loss when spikes are tested): read by read_status(), now or one step late
+        parts = [grad_norm, self._stop_vote()]
+        if cfg.train.spike != "off":
+            parts.append(self._dp_sum(loss.detach().clone().float().reshape(())))
+        self.status.push(step + 1, torch.stack(parts), local)
+        if self._device_skip:  # the fused kernel skips the whole update when found_inf is nonzero: no host read
+            self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+            self.optimizer.step()
+        elif self.read_status():  # the unfused optimizer can only be skipped from the host: read the status now
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, lr
+
+    def advance(self, step: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Train step step + 1 and move the position past it."""
+        out = self.train_step(step, rotate)
+        self.state.step += 1
+        self.state.consumed_samples += self.cfg.train.global_batch_size
+        return out
+
+    # -- what the loop reads back of its steps -----------------------------------------------------------------
+    def read_status(self, keep_last: bool = False) -> bool:
+        """Read the pending steps' statuses, oldest first, and act on them: count a non-finite step as skipped (its
+        update was not applied) and warn, raise TrainingDiverged past train.max_skipped_steps, test a finite one
+        for a loss spike, note a stop vote. keep_last leaves the newest step pending (its kernels may still run).
+        Returns whether the last step read was finite (True when none was read)."""
+        finite = True
+        for reading in self.status.read(keep_last):
+            finite = self._act_on(reading)
+        return finite
+
+    def _act_on(self, r: StepReading) -> bool:
+        s, limit = self.state, self.cfg.train.max_skipped_steps
+        if r.local is not None:
+            self.local_stats[r.step] = r.local
+            self.local_stats.pop(r.step - LOCAL_STATS_STEPS, None)
+        finite = math.isfinite(r.grad_norm)
+        if finite and r.loss is not None:
+            self._test_spike(r.step, r.loss, r.grad_norm)
+        if finite:
+            s.skip_streak = 0
+        else:
+            s.skipped += 1
+            s.skip_streak += 1
+            self.say(f"warning: step {r.step}: gradient norm is {r.grad_norm}; optimizer step skipped "
+                     f"({s.skip_streak} in a row, {s.skipped} in total)")
+            if s.skip_streak > limit:
+                raise TrainingDiverged(f"{s.skip_streak} non-finite steps in a row (more than train.max_skipped_steps="
+                                       f"{limit}); the last complete checkpoint is intact: lower optim.lr or check "
+                                       f"the data, then resume")
+        self.stop_voted = self.stop_voted or r.stop_voted
+        return finite
+
+    def _test_spike(self, step: int, loss: float, norm: float) -> None:
+        """The spike test of a finite step (train.spike warn or rewind): a spike is reported (and, with rewind, acted
+        on at the end of the step) and kept out of the window; other steps enter it."""
+        window = self.cfg.spike.window
+        why = None if self.replaying or self.spike is not None else find_spike(self.cfg.spike,
+                                                                               self.state.spike_history, loss, norm)
+        if why is None:
+            if self.spike is None or self.replaying:
+                self.state.spike_history = (self.state.spike_history + [(loss, norm)])[-window:]
+            return
+        self.say(f"warning: step {step}: loss spike: {why}"
+                 + ("" if self.cfg.train.spike == "rewind" else " (train.spike=warn: training on)"))
+        self._log({"step": step, "spike": why, "spike_loss": loss, "spike_grad_norm": norm})
+        if self.cfg.train.spike == "rewind":  # (kept out of the window until the step's end acts on it)
+            self.spike = (step, why)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        """Checkpoint the position (step `step`), unless inside a non-finite streak or before a rewind."""
+        self.read_status()  # the skip counters and streak of every step so far, before deciding and saving
+        if self.state.skip_streak:
+            # Never save inside a non-finite streak: a resume would start from the diverging state with its streak
+            # hidden. The latest complete checkpoint stays the one to resume from.
+            latest = latest_checkpoint(self.run_dir)
+            return self.say(f"warning: not saving a checkpoint at step {step}: {self.state.skip_streak} non-finite "
+                            f"step(s) in a row; the latest checkpoint {latest if latest is not None else '(none)'} "
+                            f"predates the streak")
+        if self.spike is not None:  # the state holds a spike about to be rewound: not worth keeping
+            return self.say(f"not saving a checkpoint at step {step}: the loss spike of step {self.spike[0]} is "
+                            f"being rewound")
+        ckpt = self.checkpointer
+        path = ckpt.save(step, self.model, self.optimizer, self.position(),
+                         self.log.wandb_id if self.log is not None else None)
+        self.copies.take(step, self.optimizer, self.position())
+        self._last_saved = step
+        self.say(f"{'started' if ckpt.async_save else 'saved'} checkpoint {path} (step loop blocked "
+                 f"{ckpt.blocking_seconds[-1]:.2f}s)")
+
+    def _checkpoint_after_step(self) -> None:
+        if self.checkpointer is None:
+            return
+        self.checkpointer.poll()
+        interval = self.cfg.checkpoint.interval
+        if interval and self.state.step % interval == 0:
+            self.save(self.state.step)
+
+    def _checkpoint_at_end(self) -> None:
+        if self.checkpointer is None:
+            return
+        # (A finished run started again resumes at its last step: its final checkpoint exists already.)
+        step = self.state.step
+        if (self.cfg.checkpoint.interval and self._last_saved != step
+                and not is_complete(checkpoint_dir(self.run_dir, step))):
+            self.save(step)
+        self.checkpointer.wait()
+
+    def _restore(self, step: int) -> str:
+        """Model, optimizer and position of checkpoint `step` (host memory when a copy is there, else disk);
+        returns where they came from."""
+        # The steps after it are trained again: what this rank recorded of them belongs to the pass abandoned.
+        self.local_stats = {k: v for k, v in self.local_stats.items() if k <= step}
+        if step in self.copies.steps():
+            self.state = TrainState.of(self.copies.restore(step, self.optimizer))
+            return "host memory"
+        saved, _ = self.checkpointer.load(checkpoint_dir(self.run_dir, step), self.model, self.optimizer)
+        self.state = TrainState.of(saved)
+        return "disk"
+
+    def _forget_after(self, target: int) -> None:
+        """Checkpoints after `target` hold steps that are being trained again: removed (a resume must not find one)."""
+        self.copies.drop_after(target)
+        if self.rank == 0:
+            for p in list_checkpoints(self.run_dir):
+                if step_of(p) > target:
+                    shutil.rmtree(p)
+        dist.barrier()
+
+    # -- a loss spike: back to a checkpoint, its batches skipped (train.spike=rewind) ---------------------------
+    def _rewind(self) -> None:
+        """Act on the spike found (collective: every rank found it). With spike.rerun, first replay up to it: when
+        the replay differs, a fault made the spike and training goes on from it, nothing skipped."""
+        self.read_status()
+        self.checkpointer.wait()  # an async save in flight completes before checkpoints are chosen or removed
+        (step, why), self.spike = self.spike, None
+        cfg, start = self.cfg.spike, time.perf_counter()
+        targets = sorted({step_of(p) for p in list_checkpoints(self.run_dir)} | set(self.copies.steps()))
+        windows = list(self.state.skip_windows)  # the batches of the steps up to the spike were picked with these
+        plan = plan_rewind(self.cfg, step, why, self.state.rewinds, windows, targets)
+        if plan is None:
+            return self.say(f"warning: no checkpoint before step {step} to rewind to; training on")
+        target = plan.target
+        if cfg.rerun != "off":
+            fault = self._rerun(target, step)
+            if fault is not None:  # the replayed steps are sound: go on from the spiking step, nothing skipped
+                self.state.rewinds += 1
+                self._log({"step": step, "fault": fault, "rerun_from": target, "reason": why,
+                           "rewind_seconds": time.perf_counter() - start})
+                self.say(f"step {step}: rerun from step {target} differs: a fault, not the data ({fault}); training "
+                         f"on from step {step} without skipping ({self.state.rewinds} of {cfg.max_rewinds} rewinds)")
+                return self._forget_after(target)
+        rewinds = self.state.rewinds + 1
+        source = self._restore(target)
+        s = self.state
+        s.skip_windows, s.rewinds = merge_windows(windows + plan.skip), rewinds
+        if cfg.lr_steps:
+            s.lr_scale_until = max(s.lr_scale_until, target + cfg.lr_steps)
+        self._forget_after(target)
+        if self.rank == 0:
+            write_skipped(self.run_dir, s.skip_windows, s.rewinds)
+        if target not in [step_of(p) for p in list_checkpoints(self.run_dir)]:  # only in host memory: save it
+            self.checkpointer.save(target, self.model, self.optimizer, self.position(),
+                                   self.log.wandb_id if self.log is not None else None)
+        seconds = time.perf_counter() - start
+        samples = sum(b - a + 1 for a, b in plan.skip) * self.cfg.train.global_batch_size
+        self._log({"step": step, "rewind": rewinds, "rewind_to": target, "skipped_batches": windows_text(plan.skip),
+                   "samples_skipped": samples, "reason": why, "rewind_source": source, "rewind_seconds": seconds})
+        self.say(f"rewind {rewinds}/{cfg.max_rewinds}: back to step {target} ({source}, {seconds:.2f}s), batches "
+                 f"{windows_text(plan.skip)} ({samples:,} samples) skipped"
+                 + (f", learning rate x {cfg.lr_scale} until step {s.lr_scale_until}" if cfg.lr_steps else ""))
+
+    def _rerun(self, target: int, step: int) -> str | None:
+        """Replay steps target+1 .. step from checkpoint `target` (with spike.rerun=rotate, the spiking step with each
+        data-parallel rank on its neighbour's batch); what differs from the first pass (rerun_verdict), or None."""
+        original = {k: self.local_stats.get(k) for k in range(target + 1, step + 1)}
+        self._restore(target)
+        rotate = self.cfg.spike.rerun == "rotate" and self.dp_size > 1
+        self.replaying = True
+        try:
+            while self.state.step < step:
+                self.advance(self.state.step, rotate=rotate and self.state.step + 1 == step)
+                self.read_status()
+        finally:
+            self.replaying = False
+        mine = {k: (original[k], self.local_stats.get(k)) for k in original}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.dp_rank, mine))
+        exact = self.device.type == "cpu" or self.cfg.train.deterministic
+        return rerun_verdict(everyone, target + 1, step, rotate, self.dp_size, exact)
+
+    # -- evaluations, logged -------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        """Log the validation loss (not when a stop request cut it short)."""
+        val = self.evaluator.validation()
+        if val is None:
+            return self.say(f"validation at step {self.state.step} stopped by a stop request; not logged")
+        self._log({"step": self.state.step, **val, "val_ppl": math.exp(min(val["val_loss"], 50.0))})
+
+    def _eval_tasks(self) -> None:
+        """Score every downstream task and log one row; a stop request ends it between tasks."""
+        step, results = self.state.step, self.evaluator.run_tasks()
+        if results is None:
+            return self.say(f"task evaluation at step {step} stopped by a stop request; not logged")
+        self._log(metrics_row(step, results))
+        self.say(f"eval step {step} | " + " | ".join(summary(n, m) for n, m in results.items()))
+
     # -- the loop ---------------------------------------------------------------------------------------------
-    def fit(self) -> TrainResult:
+    def _start_lines(self, unigram: float) -> None:
         cfg, t = self.cfg, self.cfg.train
-        if self.log is None:
-            self.open_log(enabled=self.rank == 0)
-        result = TrainResult(unigram_loss=self.data.unigram_loss)
         tokens_per_step = t.global_batch_size * t.seq_len
-        self.log.print(
+        self.say(
             f"model {cfg.model.name}: {count_params(self.model) / 1e6:.2f}M parameters | device {self.device} "
             + (f"x {torch.get_num_threads()} thread(s) " if self.device.type == "cpu" else "")
             + f"({cfg.train.precision}) | mesh {dict(zip(self.mesh.mesh_dim_names, self.mesh.shape))}\n"
@@ -288,83 +481,89 @@ class Trainer(StepStatus, Evaluation):
             f"({self.tokenizer.vocab_size} tokens; model vocab {cfg.model.vocab_size})\n"
             f"batch {t.global_batch_size} x {t.seq_len} = {tokens_per_step:,} tokens/step, "
             f"{self.run.microbatches} microbatch(es) of {t.micro_batch_size} per rank"
-            + (f" | unigram baseline {result.unigram_loss:.3f} nats/token" if math.isfinite(result.unigram_loss)
-               else ""))
+            + (f" | unigram baseline {unigram:.3f} nats/token" if math.isfinite(unigram) else ""))
         if self.run.layout_choice:
-            self.log.print(self.run.layout_choice)
+            self.say(self.run.layout_choice)
         hosts = [None] * dist.get_world_size()
         dist.all_gather_object(hosts, socket.gethostname())
-        self.log.print(f"{len(hosts)} rank(s) on {len(set(hosts))} host(s): "
-                       + ", ".join(f"{h} x{hosts.count(h)}" for h in dict.fromkeys(hosts)))
+        self.say(f"{len(hosts)} rank(s) on {len(set(hosts))} host(s): "
+                 + ", ".join(f"{h} x{hosts.count(h)}" for h in dict.fromkeys(hosts)))
+
+    def fit(self) -> TrainResult:
+        cfg, t, s = self.cfg, self.cfg.train, self.state
+        if self.log is None:
+            self.open_log(enabled=self.rank == 0)
+        result = TrainResult(unigram_loss=self.data.unigram_loss)
+        self._start_lines(result.unigram_loss)
+        tokens_per_step = t.global_batch_size * t.seq_len
         start = time.perf_counter()
-        if t.eval_interval and self.step == 0 and t.steps > 0:  # (a seed-checkpoint start skips it)
+        if t.eval_interval and s.step == 0 and t.steps > 0:  # (a seed-checkpoint start skips it)
             self._validate()
-        if self.tasks and self.step == 0 and t.steps > 0:
+        if self.evaluator.tasks and s.step == 0 and t.steps > 0:
             self._eval_tasks()
-        last_time, last_step = time.perf_counter(), self.step
-        first_step = self.step + 1
+        last_time, last_step = time.perf_counter(), s.step
+        first_step = s.step + 1
         profile_range, profiler = cfg.profile.range, None
-        while self.step < t.steps and not self.stop_voted:  # (a stop during the first validation: no step)
-            if profile_range and self.step + 1 == profile_range[0]:
+        while self.state.step < t.steps and not self.stop_voted:  # (a stop during the first validation: no step)
+            step = self.state.step
+            if profile_range and step + 1 == profile_range[0]:
                 profiler = StepProfiler(cfg.profile, self.device, self.run_dir / "profile", self.rank)
-            loss, grad_norm, lr = self.train_step(self.step)
-            self.step += 1
-            done = self.step == t.steps
-            log_now = self.step % cfg.logging.interval == 0 or done
+            loss, grad_norm, lr = self.advance(step)
+            step += 1
+            done = step == t.steps
+            log_now = step % cfg.logging.interval == 0 or done
             # The previous step's status is read while this one runs; all of it before a log row or at the end.
-            self.settle(keep_last=not log_now)
+            self.read_status(keep_last=not log_now)
             stop = self.stop_voted
-            if self.step == first_step and not log_now:
+            if step == first_step and not log_now:
                 # The first step of this start is slow (allocations, kernel selection, compile): say it ended.
-                self.say(f"step {self.step}: first step done in {time.perf_counter() - last_time:.1f}s (loss "
+                self.say(f"step {step}: first step done in {time.perf_counter() - last_time:.1f}s (loss "
                          f"{float(self._dp_sum(loss.clone())):.4f}); next lines every {cfg.logging.interval} steps")
-            if self.step == first_step and t.compile:
+            if step == first_step and t.compile:
                 self.say(compile_summary())
-            if profiler is not None and self.step == profile_range[1]:
-                self.log.print(profiler.stop(profile_range))
+            if profiler is not None and step == profile_range[1]:
+                self.say(profiler.stop(profile_range))
                 profiler = None
             if log_now or stop:
                 loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
                 now = time.perf_counter()
-                elapsed, steps = now - last_time, self.step - last_step
-                result.losses[self.step] = loss_value
-                self.log.log(self._metrics(loss_value, lr, float(grad_norm), elapsed, steps, tokens_per_step))
-                last_time, last_step = now, self.step
-            if t.eval_interval and (self.step % t.eval_interval == 0 or done):
+                result.losses[step] = loss_value
+                self._log(self._metrics(loss_value, lr, float(grad_norm), now - last_time, step - last_step,
+                                        tokens_per_step))
+                last_time, last_step = now, step
+            if t.eval_interval and (step % t.eval_interval == 0 or done):
                 self._validate()
                 last_time = time.perf_counter()  # validation time is not training throughput
                 stop = stop or (self.stop_voted and not done)  # a signal during validation
             every = t.eval_tasks_interval
-            if self.tasks and (done or every and self.step % every == 0) and not self.stop_voted:
+            if self.evaluator.tasks and (done or every and step % every == 0) and not self.stop_voted:
                 self._eval_tasks()
                 last_time = time.perf_counter()
                 stop = stop or (self.stop_voted and not done)
-            for hook in self.hooks:
-                hook.on_step_end(self, self.step)
-            if self.spike is not None and self.rewinder is None:
+            self._checkpoint_after_step()
+            if self.spike is not None and self.checkpointer is None:
                 self.spike = None  # (a trainer without checkpoints to go back to: the warning was all)
             if self.spike is not None:
-                self.rewinder.rewind(self)  # back to a checkpoint (or on from a rerun), the spike's batches skipped
-                last_time, last_step = time.perf_counter(), self.step
+                self._rewind()  # back to a checkpoint (or on from a rerun), the spike's batches skipped
+                last_time, last_step = time.perf_counter(), self.state.step
                 continue
             if stop:
                 result.preempted = True
-                self.log.print(f"stop requested: leaving after step {self.step}")
+                self.say(f"stop requested: leaving after step {step}")
                 break
-        self.settle()
-        result.preempted |= self.step < t.steps  # (stopped during the first validation: no break above)
+        self.read_status()
+        result.preempted |= self.state.step < t.steps  # (stopped during the first validation: no break above)
         result.wall_time = time.perf_counter() - start
-        if t.sample_tokens and not result.preempted and self.step > 0:  # no sample of an untrained model
-            result.sample = self.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)
-            self.log.print(f"sample (temperature {t.sample_temperature}):\n{result.sample}")
-        for hook in self.hooks:
-            hook.on_train_end(self)
-        self.log.print(f"done: {self.step} steps in {result.wall_time:.1f}s")
+        if t.sample_tokens and not result.preempted and self.state.step > 0:  # no sample of an untrained model
+            result.sample = self.evaluator.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)
+            self.say(f"sample (temperature {t.sample_temperature}):\n{result.sample}")
+        self._checkpoint_at_end()
+        self.say(f"done: {self.state.step} steps in {result.wall_time:.1f}s")
         self.close()
         return result
 
     def close(self) -> None:
-        """Closes the metrics log (once opened) and the data; fit() calls it on its way out, the launcher after an
+        """Closes the metrics log (once opened) and the data; fit() calls it on its way out, the session after an
         error; a second call does nothing."""
         if self.log is not None:
             self.log.close()
@@ -373,7 +572,7 @@ class Trainer(StepStatus, Evaluation):
     def _metrics(self, loss: float, lr: float, grad_norm: float, elapsed: float, steps: int,
                  tokens_per_step: int) -> dict:
         """The row of a logging step; see docs/metrics.md for every field."""
-        world = dist.get_world_size()
+        world, step = dist.get_world_size(), self.state.step
         step_time = elapsed / steps
         # Straggler view: the slowest and fastest rank's mean step time over the interval.
         spread = torch.tensor([step_time, -step_time], dtype=torch.float64, device=self.device)
@@ -381,17 +580,17 @@ class Trainer(StepStatus, Evaluation):
             dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         staged, flops_per_token = {}, self.flops_per_token
         if self.run.stages is not None:  # stage, samples per source, tokens; the last batch's sequence length
-            staged = self.data.train.dataset.row(self.data.train.order(self.step - 1) + 1, self.skip_windows)
+            staged = self.data.train.dataset.row(self.state.batch_for(step - 1) + 1, self.state.skip_windows)
             tokens_per_step = self.cfg.train.global_batch_size * staged["seq_len"]
             flops_per_token = flops_per_token_of(self.cfg.model, staged["seq_len"])
         tps = steps * tokens_per_step / elapsed
         per_device = tps / world
         tflops = flops_per_token * per_device / 1e12
-        row = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
+        row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_sec": tps,
                "tokens_per_sec_per_device": per_device, "tflops_per_device": tflops, "step_time": step_time,
                "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
-               "data_time": min(1.0, self.data_wait_seconds / elapsed), "consumed_tokens": self.step * tokens_per_step,
-               "skipped_steps": self.skipped_steps, "batch_crc32": self.batch_crc32, **staged}
+               "data_time": min(1.0, self.take_data_wait() / elapsed), "consumed_tokens": step * tokens_per_step,
+               "skipped_steps": self.state.skipped, "batch_crc32": self.batch_crc32, **staged}
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
         if self.peak_fp8_tflops:
@@ -402,5 +601,4 @@ class Trainer(StepStatus, Evaluation):
                        mem_reserved_gib=torch.cuda.memory_reserved(self.device) / gib,
                        mem_peak_gib=torch.cuda.max_memory_allocated(self.device) / gib)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.data_wait_seconds = 0.0
         return row

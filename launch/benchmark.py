@@ -33,7 +33,7 @@ from hybridpar.models.config import doc
 from hybridpar.config import Config
 from hybridpar.models import build_model
 from hybridpar.parallel.distributed import shutdown, world_from_env
-from hybridpar.trainer import start_trainer
+from hybridpar.session import start_trainer
 
 
 class _Marks:
@@ -73,16 +73,16 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, C
     for s in range(warmup + steps):
         if s == warmup:
             opt_marks.clear()
-            trainer.data_wait_seconds = 0.0
+            trainer.take_data_wait()  # (the warm-up's)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
         start = marks.mark()
         trainer.train_step(s)
-        trainer.settle(keep_last=True)  # as the trainer's loop does: the previous step's status, read late
+        trainer.read_status(keep_last=True)  # as the trainer's loop does: the previous step's status, read late
         step_marks.append((start, marks.mark()))
     timed = [marks.seconds(a, b) for a, b in step_marks[warmup:]]
-    data_s, optimizer_s = trainer.data_wait_seconds, sum(marks.seconds(a, b) for a, b in opt_marks)
+    data_s, optimizer_s = trainer.take_data_wait(), sum(marks.seconds(a, b) for a, b in opt_marks)
     step_time = statistics.median(timed)
     t = cfg.train
     tps = t.global_batch_size * t.seq_len / step_time

@@ -2,7 +2,10 @@
 RANK STEP FACTOR [pretrain_gpt arguments]` multiplies global rank RANK's local gradient shards by FACTOR after the
 backward of step STEP, once per process (a transient fault: a rerun of that step computes it right). FACTOR
 written wN multiplies the rank's weight shards by N there instead (weights that overflow the next forwards: a
-lasting fault, as an absurd learning rate would make, which the config refuses)."""
+lasting fault, as an absurd learning rate would make, which the config refuses).
+
+The fault goes in right after the trainer's backward: this script wraps two functions the trainer calls in a step
+(the learning-rate schedule, which names the step, and the microbatch scheduler), in this process only."""
 
 from __future__ import annotations
 
@@ -10,34 +13,40 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 import pretrain_gpt  # noqa: E402
 
+import hybridpar.trainer  # noqa: E402
+from hybridpar.parallel.distributed import local_tensor  # noqa: E402
 
-class Fault:
-    def __init__(self, rank: int, step: int, factor: float, weights: bool = False):
-        self.rank, self.step, self.factor, self.weights, self.fired = rank, step, factor, weights, False
 
-    def on_gradients(self, trainer, step: int) -> None:
-        if trainer.rank == self.rank and step == self.step and not self.fired:
-            self.fired = True
+def inject(rank: int, step: int, factor: float, weights: bool = False) -> None:
+    lr_at, seen = hybridpar.trainer.lr_at, {"step": 0, "fired": False}
+    forward_backward = hybridpar.trainer.forward_backward_no_pipelining
+
+    def lr_of_step(s, *args):
+        seen["step"] = s + 1  # (0-based step s trains step s + 1)
+        return lr_at(s, *args)
+
+    def faulty_step(model, *args, **kwargs):
+        loss = forward_backward(model, *args, **kwargs)
+        if dist.get_rank() == rank and seen["step"] == step and not seen["fired"]:
+            seen["fired"] = True
             with torch.no_grad():
-                for p in trainer.model.parameters():
-                    t = p if self.weights else p.grad
+                for p in model.parameters():
+                    t = p if weights else p.grad
                     if t is not None:
-                        (t.to_local() if hasattr(t, "to_local") else t).mul_(self.factor)
-            print(f"drill: rank {self.rank}: {'weights' if self.weights else 'gradients'} x {self.factor} after step "
-                  f"{step}'s backward", flush=True)
+                        local_tensor(t).mul_(factor)
+            print(f"drill: rank {rank}: {'weights' if weights else 'gradients'} x {factor} after step {step}'s "
+                  f"backward", flush=True)
+        return loss
 
-    def on_step_end(self, trainer, step: int) -> None:
-        pass
-
-    def on_train_end(self, trainer) -> None:
-        pass
+    hybridpar.trainer.lr_at, hybridpar.trainer.forward_backward_no_pipelining = lr_of_step, faulty_step
 
 
 if __name__ == "__main__":
     rank, step, factor = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    fault = Fault(rank, step, float(factor.lstrip("w")), weights=factor.startswith("w"))
-    sys.exit(pretrain_gpt.cli(sys.argv[4:], hooks=[fault]))
+    inject(rank, step, float(factor.lstrip("w")), weights=factor.startswith("w"))
+    sys.exit(pretrain_gpt.cli(sys.argv[4:]))

@@ -175,10 +175,10 @@ def _fp8_worker(rank: int, world: int, init_file: str, cache_dir: str, cases, re
             run = resolve(cfg, WorldInfo(rank, world, rank, world), torch.device("cpu"))
             trainer = Trainer(run, init_mesh(run.layout.degrees, run.device))
             losses = [trainer._dp_sum(trainer.train_step(step)[0]) for step in range(STEPS)]
-            trainer.settle()
+            trainer.read_status()
             trainer.data.close()
             if rank == 0:
-                results[recipe, layout] = ([float(x) for x in losses], trainer.skipped_steps)
+                results[recipe, layout] = ([float(x) for x in losses], trainer.state.skipped)
     finally:
         dist.destroy_process_group()
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridpar.data.gpt_data import GlobalBatchLoader, _megatron, build_gpt_datasets, open_blend, parse_blend
+from hybridpar.data.gpt_data import GlobalBatchLoader, _megatron, build_gpt_datasets, open_blend
+from hybridpar.data.stages import parse_blend
 from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
 from hybridpar.data.tokenizer import ByteTokenizer
 

@@ -158,12 +158,12 @@ def _muon_worker(rank: int, world: int, init_file: str, cache_dir: str, cases, r
             losses = []
             for step in range(STEPS):
                 losses.append(trainer._dp_sum(trainer.train_step(step)[0]))
-            trainer.settle()
+            trainer.read_status()
             weights = {plain_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                        for n, p in trainer.model.named_parameters()}
             trainer.data.close()
             if rank == 0:
-                results[model, layout, distribution] = ([float(x) for x in losses], weights, trainer.skipped_steps)
+                results[model, layout, distribution] = ([float(x) for x in losses], weights, trainer.state.skipped)
     finally:
         dist.destroy_process_group()
 

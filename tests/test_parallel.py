@@ -314,7 +314,7 @@ def _update_worker(rank: int, world: int, init_file: str, cache_dir: str, cases,
             assert run.cfg.parallel.accumulate_unsharded is unsharded
             for step in range(2):
                 trainer.train_step(step)
-            trainer.settle()
+            trainer.read_status()
             weights = {plain_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                        for n, p in trainer.model.named_parameters()}
             trainer.data.close()
@@ -325,7 +325,7 @@ def _update_worker(rank: int, world: int, init_file: str, cache_dir: str, cases,
                       if not n.endswith(ZERO_GRADIENT)}
             kernels = {bool(g.get("fused")) + 2 * bool(g.get("foreach")) for g in trainer.optimizer.param_groups}
             results[rank, layout, unsharded, kernel] = (sorted(weights) == sorted(reference), max(errors.values()),
-                                                        kernels, trainer.skipped_steps)
+                                                        kernels, trainer.state.skipped)
     finally:
         dist.destroy_process_group()
 

@@ -95,7 +95,7 @@ def test_imports_run_downward():
     from conftest import ROOT
 
     order = {"errors": 0, "models": 0, "config": 1, "data": 2, "parallel": 2, "metrics": 2, "training": 3,
-             "planning": 4, "checkpoint": 4, "resolve": 5, "inference": 6, "trainer": 7, "interop": 8}
+             "planning": 4, "checkpoint": 4, "resolve": 5, "inference": 6, "trainer": 7, "session": 8, "interop": 8}
     upward = []
     for path in sorted((ROOT / "hybridpar").rglob("*.py")):
         part = path.relative_to(ROOT / "hybridpar").parts[0].removesuffix(".py")
@@ -211,12 +211,12 @@ ARRIVALS = [
     (["--train.eval_batches", "3"], "len(t.data.valid)", 3),
     (["--train.activation_checkpointing", "full"], "type(t.model.layers[0]).__name__", "CheckpointWrapper"),
     (["--train.compile", "true"], "t.model.layers[0]._compiled_call_impl is not None", True),
-    (["--train.loss_chunk_tokens", "64"], "t.forward_loss.keywords['chunk_tokens']", 64),
+    (["--train.loss_chunk_tokens", "64"], "t.numerics.forward_loss.keywords['chunk_tokens']", 64),
     (["--model.n_layers", "3", "--model.d_model", "48", "--model.n_heads", "3"],
      "[len(t.model.layers), t.model.tok_embeddings.weight.shape[1], t.model.layers[0].attn.head_dim]", [3, 48, 16]),
     (["--train.deterministic", "true", "--train.tf32", "true"],
      "[torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32]", [True, True]),
-    (["--train.eval_tasks", ""], "t.tasks", []),
+    (["--train.eval_tasks", ""], "t.evaluator.tasks", []),
     # clipped to a norm of 1e-9, far below AdamW's eps (1e-8), the first step moves no weight by 0.1 x lr (unclipped:
     # about lr, m / sqrt(v) = sign(g))
     (["--train.grad_clip", "1e-9"], "max(float((p.detach() - before[n]).abs().max()) for n, p in "
@@ -229,7 +229,7 @@ ARRIVALS_SCRIPT = """
 import json, sys
 import torch
 from hybridpar.config.cli import load_config
-from hybridpar.trainer import start_trainer
+from hybridpar.session import start_trainer
 
 rows, base, out = json.loads(sys.argv[1]), sys.argv[2:], []
 for args, expr, _ in rows:

@@ -143,7 +143,7 @@ def test_bad_stages_are_one_line_errors(entries, message):
         StagePlan.parse(entries, global_batch=4, seq_len=32)
     assert "\n" not in str(e.value)
     if "twice" in message:  # the same rule for data.path (it used to add the weights, stages to keep the last)
-        from hybridpar.data.gpt_data import parse_blend
+        from hybridpar.data.stages import parse_blend
 
         with pytest.raises(DataError, match=re.escape(message)):
             parse_blend(entries[0][3:])
@@ -354,14 +354,14 @@ def test_the_planner_plans_the_longest_stage():
 
 
 def test_the_validation_loss_over_sources_is_token_weighted_by_hand():
-    """Evaluation.evaluate over two sources whose targets count unequally (12 of code's 16 are ignored): val_loss is
+    """Evaluator.validation over two sources whose targets count unequally (12 of code's 16 are ignored): val_loss is
     the token-weighted mean (a run's sources count alike, so the staged run above cannot tell it from the mean of
     the two), each source's its own mean. The per-token losses by hand: web's logits are flat over 4 entries (ln 4),
     code's put 2.0 on the target (ln(e^2 + 3) - 2)."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from hybridpar.inference.in_training import Evaluation
+    from hybridpar.inference.in_training import Evaluator
     from hybridpar.training.microbatch import IGNORE_INDEX, logits_loss
 
     class Logits(torch.nn.Module):  # token 0 -> flat logits, token 1 -> 2.0 on entry 0
@@ -378,13 +378,12 @@ def test_the_validation_loss_over_sources_is_token_weighted_by_hand():
     code_y = torch.full((2, 8), IGNORE_INDEX)
     code_y[0, :4] = 0
     code = (torch.ones(2, 8, dtype=torch.long), code_y)
-    ev = Evaluation()
-    ev.fp8_scales, ev.cfg, ev.model, ev.device = None, SimpleNamespace(train=SimpleNamespace(compile=False)), \
-        Logits(), torch.device("cpu")
-    ev.data = SimpleNamespace(valid_sources={"web": [web], "code": [code]}, valid=[web, code])
-    ev.stop_voted, ev._stop_vote, ev._dp_sum = False, lambda: torch.tensor(0), lambda t: t
-    ev.loss_context, ev.autocast, ev.forward_loss = nullcontext, nullcontext, logits_loss
-    got = ev.evaluate()
+    numerics = SimpleNamespace(fp8_scales=None, loss_context=nullcontext, autocast=nullcontext,
+                               forward_loss=logits_loss)
+    data = SimpleNamespace(valid_sources={"web": [web], "code": [code]}, valid=[web, code])
+    ev = Evaluator(SimpleNamespace(train=SimpleNamespace(compile=False)), Logits(), None, torch.device("cpu"), None,
+                   numerics, data, [], lambda t: t, lambda: False)
+    got = ev.validation()
     web_loss, code_loss = math.log(4), math.log(math.exp(2) + 3) - 2
     assert got["val_loss/web"] == pytest.approx(web_loss, rel=1e-6)
     assert got["val_loss/code"] == pytest.approx(code_loss, rel=1e-6)

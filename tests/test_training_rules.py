@@ -69,7 +69,7 @@ HUGE_STEP = textwrap.dedent("""
     import torch
     from hybridpar.config.cli import load_config
     from hybridpar.parallel.distributed import shutdown
-    from hybridpar.trainer import start_trainer
+    from hybridpar.session import start_trainer
 
     cfg = load_config(sys.argv[1:])
     trainer = start_trainer(cfg)
@@ -79,7 +79,7 @@ HUGE_STEP = textwrap.dedent("""
     weight.register_hook(lambda g: g * 1e12)
     before = weight.detach().clone()
     _, norm, _ = trainer.train_step(0)
-    print(json.dumps({"norm": float(norm), "skipped": trainer.skipped_steps,
+    print(json.dumps({"norm": float(norm), "skipped": trainer.state.skipped,
                       "change": float((weight.detach() - before).abs().max())}))
     shutdown()
 """)
@@ -119,7 +119,7 @@ NO_SYNC = textwrap.dedent("""
     import torch
     from hybridpar.config.cli import load_config
     from hybridpar.parallel.distributed import shutdown
-    from hybridpar.trainer import Trainer, start_trainer
+    from hybridpar.session import start_trainer
 
     cfg = load_config(sys.argv[1:])
     trainer = start_trainer(cfg)
@@ -158,8 +158,8 @@ NO_SYNC = textwrap.dedent("""
         setattr(torch.Tensor, n, f)
     for n, f in factories.items():
         setattr(torch, n, f)
-    trainer.settle()
-    print(json.dumps({"syncs": syncs, "skipped": trainer.skipped_steps,
+    trainer.read_status()
+    print(json.dumps({"syncs": syncs, "skipped": trainer.state.skipped,
                       "moved": [bool((b != a).any()) for b, a in zip(before, before[1:] + [after])]}))
     shutdown()
 """)

@@ -7,10 +7,11 @@ state-dict helpers strip FSDP, activation-checkpoint and compile wrappers.
 
 Layout of a run directory:
     <run.dir>/checkpoints/step_00000200/
-        .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": Trainer.state_dict() (step,
-                                        consumed_samples, skipped, skip_streak, the skipped batches, the spike
-                                        test's window, rewinds, lr_scale_until) and data_key, the data
-                                        settings' CRC-32 (resume_checks.data_key)}
+        .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": the loop's position (TrainState:
+                                        step, consumed_samples, skipped, skip_streak, the skipped batches, the
+                                        spike test's window, rewinds, lr_scale_until; a staged run's
+                                        stage_origin) and data_key, the data settings' CRC-32
+                                        (resume_checks.data_key)}
         config.yaml, tokenizer.*        what sampling or resuming needs besides tensors
         run_state.json                  the W&B run id (a resumed run logs into the same W&B run), the
                                         tokenizer's fingerprint (a resume with other data is refused) and a CPU
@@ -44,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from hybridpar.checkpoint.layout import (MARKER, STEP_DIR, checkpoint_dir, is_complete, latest_checkpoint,
                                          list_checkpoints, step_of)
-from hybridpar.checkpoint.resume_checks import check_model_config, data_changes, data_key, stage_origin
+from hybridpar.checkpoint.resume_checks import check_model_config, data_changes, data_key
 from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader,
                                             exceptions_in, plain_tensors, read_metadata,
                                             unwrap_checkpoint_exception)
@@ -90,40 +91,45 @@ def _state(model: nn.Module, optimizer, trainer_state: dict, options=None) -> di
 
 
 class Checkpointer:
-    """Saves (sync or async) and loads a trainer's state. Collective: every rank calls save/load/wait."""
+    """Saves (sync or async) and loads the states it is given: the model, its optimizer and the training loop's
+    position (a dict of ints and tensors). It holds what every save writes besides them (the run's config and
+    tokenizer) and never reads the trainer. Collective: every rank calls save/load/wait."""
 
-    def __init__(self, run_dir: Path, keep_last: int, async_save: bool = False):
-        self.run_dir, self.keep_last, self.async_save = Path(run_dir), keep_last, async_save
-        self._pending = None  # (future, path, trainer) of an async save in flight
+    def __init__(self, run_dir: Path, cfg, tokenizer, device: torch.device):
+        self.run_dir, self.cfg, self.tokenizer, self.device = Path(run_dir), cfg, tokenizer, device
+        self.keep_last, self.async_save = cfg.checkpoint.keep_last, cfg.checkpoint.async_save
+        self._pending = None  # (future, path, wandb id) of an async save in flight
         self._need_bytes = 0  # what this rank writes for the save under way
         self.blocking_seconds: list[float] = []  # how long each save stopped the step loop
         # Async saves run their collectives from a background thread: on a gloo group of their own, never the
         # training group (collectives from two threads on one group can interleave differently on each rank); a
         # second one carries the per-step "is the save done everywhere?" vote.
         self._group = self._poll_group = None
-        if async_save:
+        if self.async_save:
             self._group, self._poll_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
 
-    def save(self, trainer, step: int) -> Path:
+    def save(self, step: int, model: nn.Module, optimizer, position: dict, wandb_id: str | None = None) -> Path:
+        """Checkpoint `step`: the model's and optimizer's shards and the loop's `position`; wandb_id is the run's
+        W&B id (a resume logs into the same W&B run)."""
         self.wait()  # one save in flight at a time
         path = checkpoint_dir(self.run_dir, step)
         if dist.get_rank() == 0 and path.exists():  # a save of this step that was cut off earlier
             shutil.rmtree(path)
         dist.barrier()
         position = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in
-                    {**trainer.state_dict(), "step": step, "data_key": data_key(trainer.cfg)}.items()}
-        state = _state(trainer.model, trainer.optimizer, position)
+                    {**position, "step": step, "data_key": data_key(self.cfg)}.items()}
+        state = _state(model, optimizer, position)
         self._need_bytes = _local_bytes(state)
         start = time.perf_counter()
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
-            self._pending = (future, path, trainer)
+            self._pending = (future, path, wandb_id)
         else:
             try:
                 dcp.save(state, checkpoint_id=str(path))
             except (Exception, CheckpointException) as e:  # every rank gets DCP's gathered exception
                 raise self._save_failed(path, e) from None
-            self._complete(path, trainer)
+            self._complete(path, wandb_id)
         self.blocking_seconds.append(time.perf_counter() - start)
         return path
 
@@ -149,34 +155,33 @@ class Checkpointer:
                                f"checkpoint is {latest if latest is not None else '(none)'}: free space (or fix the "
                                f"directory), then start the same command again to resume")
 
-    def _complete(self, path: Path, trainer) -> None:
+    def _complete(self, path: Path, wandb_id: str | None) -> None:
         """After every rank's shards are written: extras, the marker, then pruning."""
         dist.barrier(group=self._group)
         error = None
         try:
             if dist.get_rank() == 0:
-                self._write_extras_and_prune(path, trainer)
+                self._write_extras_and_prune(path, wandb_id)
         except OSError as e:
             error = e
         # Every rank learns whether rank 0's writes failed (on the save group's device: CPU for gloo).
-        failed = torch.tensor([int(error is not None)], device="cpu" if self._group is not None else trainer.device)
+        failed = torch.tensor([int(error is not None)], device="cpu" if self._group is not None else self.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
         if error is not None:
             raise self._save_failed(path, error)
         if failed.item():
             raise CheckpointError(f"saving checkpoint {path} failed on rank 0 (its error says why)")
 
-    def _write_extras_and_prune(self, path: Path, trainer) -> None:
+    def _write_extras_and_prune(self, path: Path, wandb_id: str | None) -> None:
         from hybridpar.config.cli import dump_yaml
 
-        trainer.tokenizer.save(path)
-        (path / "config.yaml").write_text(dump_yaml(trainer.cfg))
-        wandb_id = trainer.log.wandb_id if trainer.log is not None else None
+        self.tokenizer.save(path)
+        (path / "config.yaml").write_text(dump_yaml(self.cfg))
         # cpu_threads: a CPU run's intra-op thread count, which sets the order of its parallel reductions (a
         # resume with another count continues the curve to rounding, not bitwise; pretrain_gpt.py says so).
-        cpu_threads = torch.get_num_threads() if trainer.device.type == "cpu" else None
+        cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         (path / "run_state.json").write_text(json.dumps(
-            {"wandb_id": wandb_id, "tokenizer_fingerprint": trainer.tokenizer.fingerprint,
+            {"wandb_id": wandb_id, "tokenizer_fingerprint": self.tokenizer.fingerprint,
              "cpu_threads": cpu_threads}) + "\n")
         tmp = path / f".{MARKER}.tmp"
         tmp.write_text(f"step {step_of(path)}\n")
@@ -201,79 +206,75 @@ class Checkpointer:
 
     def wait(self) -> None:
         if self._pending is not None:
-            future, path, trainer = self._pending
+            future, path, wandb_id = self._pending
             self._pending = None
             try:
                 future.result()
             except (Exception, CheckpointException) as e:
                 raise self._save_failed(path, e) from None
-            self._complete(path, trainer)
+            self._complete(path, wandb_id)
 
-    def load(self, trainer, path: Path, weights_only: bool = False) -> list[str]:
-        """Restore model (and, unless weights_only, optimizer and trainer position) from checkpoint `path`, into
-        whatever layout the trainer has. Returns the data settings that changed (allowed by
-        checkpoint.allow_data_change); raises CheckpointError (nothing loaded) if they changed without it."""
-        check_model_config(path, trainer.cfg)
-        changes = [] if weights_only else data_changes(path, trainer.cfg, trainer.tokenizer.fingerprint)
+    def load(self, path: Path, model: nn.Module, optimizer, weights_only: bool = False) -> tuple[dict | None,
+                                                                                                  list[str]]:
+        """Restore the model (and, unless weights_only, the optimizer) from checkpoint `path`, into whatever layout
+        they have. Returns the loop's saved position (ints, and tensors for the windows and histories; None with
+        weights_only) and the data settings that changed (allowed by checkpoint.allow_data_change); raises
+        CheckpointError (nothing loaded) if they changed without it."""
+        cfg = self.cfg
+        check_model_config(path, cfg)
+        changes = [] if weights_only else data_changes(path, cfg, self.tokenizer.fingerprint)
         metadata = read_metadata(path)  # read once; a crafted or damaged checkpoint fails here, as a one-line error
         saved_key = None if weights_only else read_trainer_state(path, True, metadata).get("data_key")  # older: none
-        if not changes and saved_key is not None and saved_key != data_key(trainer.cfg):
+        if not changes and saved_key is not None and saved_key != data_key(cfg):
             changes = ["one of train.seed, train.seq_len, data.path, data.split, data.tokenizer, data.stages (the "
                        "checkpoint has no config.yaml to name which)"]
-        if changes and not trainer.cfg.checkpoint.allow_data_change:
+        if changes and not cfg.checkpoint.allow_data_change:
             raise CheckpointError(f"resuming from {path} with other data settings ({'; '.join(changes)}): the "
                                   f"saved data position would index other samples; restore them, start a new "
                                   f"run with --run.name NAME, or pass --checkpoint.allow_data_change true")
         saved = metadata.state_dict_metadata
-        _check_shapes(path, saved, get_model_state_dict(trainer.model))
+        _check_shapes(path, saved, get_model_state_dict(model))
         with_optim = not weights_only and any(k.startswith("optim.") for k in saved)  # a seed checkpoint has none
         if with_optim:
             was = "muon" if any(k.endswith(".momentum_buffer") for k in saved) else "adamw"
-            if was != trainer.cfg.optim.name:
+            if was != cfg.optim.name:
                 raise CheckpointError(f"{path} holds {was} optimizer state and this run has optim.name="
-                                      f"{trainer.cfg.optim.name}; resume with --optim.name {was}, or start from its "
+                                      f"{cfg.optim.name}; resume with --optim.name {was}, or start from its "
                                       f"weights with --checkpoint.load_weights_only true")
-            model_sd, optim_sd = map(plain_tensors, get_state_dict(trainer.model, trainer.optimizer))
+            model_sd, optim_sd = map(plain_tensors, get_state_dict(model, optimizer))
             # Only the optimizer's tensors are read: its hyperparameters are this run's choice (its config, the
             # device), and reading the saved ones (a pickled value per parameter and setting) was most of a small
             # model's resume time.
             groups = optim_sd["param_groups"]
             state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         else:
-            state = {"model": plain_tensors(get_model_state_dict(trainer.model))}
-        if not weights_only:
-            # skip_streak, data_key and the spike fields are absent from older checkpoints
-            state["trainer"] = {k: _placeholder(saved[f"trainer.{k}"]) for k in [*trainer.state_dict(), "data_key"]
-                                if f"trainer.{k}" in saved}
+            state = {"model": plain_tensors(get_model_state_dict(model))}
+        if not weights_only:  # the position as saved (older checkpoints lack some fields)
+            state["trainer"] = {k.split(".", 1)[1]: _placeholder(v) for k, v in saved.items()
+                                if k.startswith("trainer.")}
         _safe_load(state, path, SafeLoadPlanner(), metadata)
         if not with_optim:
-            set_model_state_dict(trainer.model, state["model"], options=StateDictOptions(strict=True))
+            set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
         else:
             # Hyperparameters and the kernel are this run's choice, not the saved run's: a CPU run's checkpoint
             # resumed on a GPU, or with another optim.fused, keeps the kernel it was built with.
-            chosen = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
-            set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
+            chosen = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            set_state_dict(model, optimizer, model_state_dict=state["model"],
                            optim_state_dict={"state": state["optim"]["state"], "param_groups": groups},
                            options=StateDictOptions(strict=True))
-            for group, settings in zip(trainer.optimizer.param_groups, chosen):
+            for group, settings in zip(optimizer.param_groups, chosen):
                 group.update(settings)
         if weights_only:
-            return []
+            return None, []
         t = {k: v if v.dim() else int(v) for k, v in state["trainer"].items() if k != "data_key"}
-        step, consumed, G = t["step"], t["consumed_samples"], trainer.cfg.train.global_batch_size
+        step, consumed, G = t["step"], t["consumed_samples"], cfg.train.global_batch_size
         if not with_optim and step:
             raise CheckpointError(f"checkpoint {path} is at step {step} but holds no optimizer state; load it "
                                   f"with --checkpoint.load_weights_only true")
         if consumed != step * G:
             raise CheckpointError(f"checkpoint {path} consumed {consumed} samples in {step} steps, not {step} x "
                                   f"train.global_batch_size={G}: resume with the global batch size it was saved with")
-        trainer.load_state_dict(t)
-        if trainer.run.stages is not None:  # each source continues where it was, also after a change of stages
-            origin = stage_origin(path, trainer.cfg, trainer.run.stages, t.get("stage_origin"),
-                                  trainer.data.train.order(trainer.step))
-            if origin is not None:
-                trainer.data.train.dataset.restart_at(*origin)
-        return changes
+        return t, changes
 
 
 def _placeholder(entry) -> torch.Tensor:
@@ -336,46 +337,3 @@ def read_trainer_state(path: Path, with_data_key: bool = False, metadata=None) -
     _safe_load(state, path, SafeEmptyLoadPlanner(keys={"trainer"}), metadata, no_dist=True)
     return {k: v.tolist() if v.dim() else int(v) for k, v in state["trainer"].items()
             if with_data_key or k != "data_key"}
-
-
-class CheckpointHook:
-    """Saves every checkpoint.interval steps and at the end of training (when interval > 0)."""
-
-    def __init__(self, checkpointer: Checkpointer, interval: int, copies=None):
-        self.checkpointer, self.interval = checkpointer, interval
-        self.copies = copies  # hybridpar.training.spikes.HostCopies: a host-memory copy of each save, for rewinds
-        self.last_saved = -1
-
-    def _save(self, trainer, step: int) -> None:
-        trainer.settle()  # the skip counters and streak of every step so far, before deciding and saving
-        if trainer.consecutive_skips:
-            # Never save inside a non-finite streak: a resume would start from the diverging state with its streak
-            # hidden. The latest complete checkpoint stays the one to resume from.
-            latest = latest_checkpoint(trainer.run_dir)
-            trainer.log.print(f"warning: not saving a checkpoint at step {step}: {trainer.consecutive_skips} "
-                              f"non-finite step(s) in a row; the latest checkpoint "
-                              f"{latest if latest is not None else '(none)'} predates the streak")
-            return
-        if trainer.spike is not None:  # the state holds a spike about to be rewound: not worth keeping
-            trainer.log.print(f"not saving a checkpoint at step {step}: the loss spike of step {trainer.spike[0]} "
-                              f"is being rewound")
-            return
-        path = self.checkpointer.save(trainer, step)
-        if self.copies is not None:
-            self.copies.take(trainer, step)
-        blocked = self.checkpointer.blocking_seconds[-1]
-        trainer.log.print(f"{'started' if self.checkpointer.async_save else 'saved'} checkpoint {path} "
-                          f"(step loop blocked {blocked:.2f}s)")
-        self.last_saved = step
-
-    def on_step_end(self, trainer, step: int) -> None:
-        self.checkpointer.poll()
-        if self.interval and step % self.interval == 0:
-            self._save(trainer, step)
-
-    def on_train_end(self, trainer) -> None:
-        # (A finished run started again resumes at its last step: its final checkpoint exists already.)
-        if self.interval and self.last_saved != trainer.step and not is_complete(checkpoint_dir(trainer.run_dir,
-                                                                                                  trainer.step)):
-            self._save(trainer, trainer.step)
-        self.checkpointer.wait()

@@ -1,6 +1,6 @@
-"""train.spike=rewind: on a loss spike, go back to the newest checkpoint before the spike's batches (from host memory
-when a copy is there, else from disk), skip those batches, and continue; with spike.rerun, first replay up to the
-spiking step and tell the data from a fault.
+"""train.spike=rewind, the choices: which checkpoint a loss spike goes back to and which batches it skips, and after
+a rerun (spike.rerun), whether the replayed steps tell a fault from the data. The trainer acts on them
+(hybridpar.trainer: the restore from host memory or disk, the replay, the removal of later checkpoints).
 
 Every rank takes the same decisions: the spike test reads global values (the loss summed over data-parallel ranks,
 the global gradient norm), and a rerun's verdict is gathered from all ranks. The skipped batches and the rewind
@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
-from hybridpar.checkpoint.layout import checkpoint_dir, list_checkpoints, step_of
 from hybridpar.config import merge_windows
-from hybridpar.training.spikes import HostCopies, batch_number, windows_text
+from hybridpar.training.spikes import batch_number, windows_text
 
 SKIPPED_FILE = "skipped_batches.json"
 
@@ -47,137 +43,61 @@ class SpikeLimit(RuntimeError):
     """A spike after spike.max_rewinds rewinds."""
 
 
-class Rewinder:
-    """Acts on the spike a trainer found (Trainer.spike), at the end of a step. Collective: every rank calls it."""
+@dataclass(frozen=True)
+class Rewind:
+    target: int  # the checkpoint's step
+    skip: list[tuple[int, int]]  # the batches (1-based windows) of the steps after it that are not trained again
+    first: int  # the first step whose batch is skipped
 
-    def __init__(self, checkpointer, copies: HostCopies):
-        self.checkpointer, self.copies = checkpointer, copies
 
-    # -- where to go back to -----------------------------------------------------------------------------------
-    def _targets(self, trainer) -> list[int]:
-        on_disk = [step_of(p) for p in list_checkpoints(trainer.run_dir)]
-        return sorted(set(on_disk) | set(self.copies.steps()))
+def plan_rewind(cfg, step: int, why: str, rewinds: int, windows: list[tuple[int, int]],
+                targets: list[int]) -> Rewind | None:
+    """Where the spike of `step` goes back to, given the rewinds done, the skipped windows the steps were picked with
+    and the checkpoint steps there are (on disk or in host memory): the newest before the spike.skip steps ending at
+    the spike, else the newest before the spike (skipping from there on); None when there is none (training on).
+    Raises SpikeLimit past spike.max_rewinds."""
+    s = cfg.spike
+    if rewinds >= s.max_rewinds:
+        raise SpikeLimit(f"loss spike at step {step} ({why}) after {rewinds} rewind(s), spike.max_rewinds="
+                         f"{s.max_rewinds}: stopping; the skipped batches so far are {windows_text(windows) or 'none'}; "
+                         f"look at the data near batch {batch_number(step, windows)}, lower optim.lr, or raise "
+                         f"spike.max_rewinds, then resume")
+    first = max(1, step - s.skip + 1)
+    before = [t for t in targets if t < first]
+    if before:
+        target = before[-1]
+    else:  # only checkpoints inside the window: skip from the newest one on
+        inside = [t for t in targets if t < step]
+        if not inside:
+            return None
+        target, first = inside[-1], inside[-1] + 1
+    skip = merge_windows((b, b) for b in (batch_number(k, windows) for k in range(first, step + 1)))
+    return Rewind(target, skip, first)
 
-    def _restore(self, trainer, step: int) -> str:
-        """Model, optimizer and trainer state of checkpoint `step`; returns where they came from."""
-        # The steps after it are trained again: what this rank recorded of them belongs to the pass abandoned.
-        trainer.local_stats = {k: v for k, v in trainer.local_stats.items() if k <= step}
-        if step in self.copies.copies:
-            self.copies.restore(trainer, step)
-            return "host memory"
-        self.checkpointer.load(trainer, checkpoint_dir(trainer.run_dir, step))
-        return "disk"
 
-    def rewind(self, trainer) -> None:
-        trainer.settle()
-        self.checkpointer.wait()  # an async save in flight completes before checkpoints are chosen or removed
-        step, why = trainer.spike
-        trainer.spike = None
-        cfg = trainer.cfg.spike
-        if trainer.rewinds >= cfg.max_rewinds:
-            raise SpikeLimit(f"loss spike at step {step} ({why}) after {trainer.rewinds} rewind(s), "
-                             f"spike.max_rewinds={cfg.max_rewinds}: stopping; the skipped batches so far are "
-                             f"{windows_text(trainer.skip_windows) or 'none'}; look at the data near batch "
-                             f"{batch_number(step, trainer.skip_windows)}, lower optim.lr, or raise spike.max_rewinds, "
-                             f"then resume")
-        first = max(1, step - cfg.skip + 1)
-        targets = self._targets(trainer)
-        before = [s for s in targets if s < first]
-        if before:
-            target = before[-1]
-        else:  # only checkpoints inside the window: skip from the newest one on
-            inside = [s for s in targets if s < step]
-            if not inside:
-                trainer.say(f"warning: no checkpoint before step {step} to rewind to; training on")
-                return
-            target, first = inside[-1], inside[-1] + 1
-        start = time.perf_counter()
-        windows = list(trainer.skip_windows)  # the batches of steps first..step were picked with these
-        skip = merge_windows((b, b) for b in (batch_number(k, windows) for k in range(first, step + 1)))
-        if cfg.rerun != "off":
-            fault = self._rerun(trainer, target, step)
-            if fault is not None:  # the replayed steps are sound: go on from the spiking step, nothing skipped
-                trainer.rewinds += 1
-                self._log(trainer, step, {"fault": fault, "rerun_from": target, "reason": why,
-                                          "rewind_seconds": time.perf_counter() - start})
-                trainer.say(f"step {step}: rerun from step {target} differs: a fault, not the data ({fault}); "
-                            f"training on from step {step} without skipping ({trainer.rewinds} of "
-                            f"{cfg.max_rewinds} rewinds)")
-                self._forget_after(trainer, target)
-                return
-        rewinds = trainer.rewinds + 1
-        source = self._restore(trainer, target)
-        trainer.skip_windows = merge_windows(windows + skip)
-        trainer.rewinds = rewinds
-        if cfg.lr_steps:
-            trainer.lr_scale_until = max(trainer.lr_scale_until, target + cfg.lr_steps)
-        self._forget_after(trainer, target)
-        if dist.get_rank() == 0:
-            write_skipped(trainer.run_dir, trainer.skip_windows, trainer.rewinds)
-        if target not in [step_of(p) for p in list_checkpoints(trainer.run_dir)]:  # only in host memory: save it
-            self.checkpointer.save(trainer, target)
-        seconds = time.perf_counter() - start
-        samples = sum(b - a + 1 for a, b in skip) * trainer.cfg.train.global_batch_size
-        self._log(trainer, step, {"rewind": rewinds, "rewind_to": target, "skipped_batches": windows_text(skip),
-                                  "samples_skipped": samples, "reason": why, "rewind_source": source,
-                                  "rewind_seconds": seconds})
-        trainer.say(f"rewind {rewinds}/{cfg.max_rewinds}: back to step {target} ({source}, {seconds:.2f}s), "
-                    f"batches {windows_text(skip)} ({samples:,} samples) skipped"
-                    + (f", learning rate x {cfg.lr_scale} until step {trainer.lr_scale_until}" if cfg.lr_steps
-                       else ""))
+def rerun_verdict(everyone: list, first: int, step: int, rotate: bool, dp_size: int, exact: bool) -> str | None:
+    """Whether a replay of steps first..step computed what the first pass did, from every rank's (data-parallel rank,
+    {step: (first pass, replay)}) with each side this rank's (loss share, gradient-shard norm^2) or None: None when
+    they agree (the data made the spike), else which steps and ranks differ (a fault). With `rotate`, the spiking
+    step's replay had rank r compute data-parallel rank r+1's batch; `exact` compares bitwise, else to 1e-5."""
 
-    def _forget_after(self, trainer, target: int) -> None:
-        """Checkpoints after `target` hold steps that are being trained again: removed (a resume must not find one)."""
-        self.copies.drop_after(target)
-        if dist.get_rank() == 0:
-            for p in list_checkpoints(trainer.run_dir):
-                if step_of(p) > target:
-                    shutil.rmtree(p)
-        dist.barrier()
+    def same(a, b) -> bool:
+        return a == b if exact else abs(a - b) <= 1e-5 * max(abs(a), abs(b))
 
-    @staticmethod
-    def _log(trainer, step: int, row: dict) -> None:
-        if trainer.log is not None:
-            trainer.log.log({"step": step, **row})
-
-    # -- data or fault ---------------------------------------------------------------------------------------------
-    def _rerun(self, trainer, target: int, step: int) -> str | None:
-        """Replay steps target+1 .. step from checkpoint `target` (with spike.rerun=rotate, the spiking step with
-        each data-parallel rank on its neighbour's batch) and compare every rank's loss share and gradient-shard
-        norm with the first pass. None when they agree (the data); else which steps and ranks differ."""
-        original = {k: trainer.local_stats.get(k) for k in range(target + 1, step + 1)}
-        self._restore(trainer, target)
-        rotate = trainer.cfg.spike.rerun == "rotate" and trainer.dp_size > 1
-        trainer.replaying = True
-        try:
-            while trainer.step < step:
-                trainer.rotate_data = rotate and trainer.step + 1 == step
-                trainer.train_step(trainer.step)
-                trainer.step += 1
-                trainer.settle()
-        finally:
-            trainer.replaying, trainer.rotate_data = False, False
-        mine = {k: (original[k], trainer.local_stats.get(k)) for k in original}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (trainer.dp_rank, mine))
-        exact = trainer.device.type == "cpu" or trainer.cfg.train.deterministic
-
-        def same(a, b) -> bool:
-            return a == b if exact else abs(a - b) <= 1e-5 * max(abs(a), abs(b))
-
-        for k in sorted(k for k in original if original[k] is not None):
-            if rotate and k == step:
-                # Rank r computed data-parallel rank r+1's batch: losses compared by batch, exactly (the same
-                # weights and tokens); the gradient shards summed the same terms in another order: to 1e-4.
-                by_dp = {dp: stats[k][0][0] for dp, stats in everyone}  # (first pass: each rank its own)
-                differ = [r for r, (dp, stats) in enumerate(everyone)
-                          if not same(stats[k][1][0], by_dp[(dp + 1) % trainer.dp_size])
-                          or abs(stats[k][1][1] - stats[k][0][1]) > 1e-4 * max(stats[k][1][1], stats[k][0][1])]
-                what = "loss of its neighbour's batch or gradient-shard norm"
-            else:
-                differ = [r for r, (_, stats) in enumerate(everyone)
-                          if not all(same(a, b) for a, b in zip(*stats[k]))]
-                what = "loss share or gradient-shard norm"
-            if differ:
-                return f"step {k}: rank(s) {', '.join(map(str, differ))} computed another {what}"
-        return None
+    for k in range(first, step + 1):
+        if any(stats[k][0] is None for _, stats in everyone):
+            continue
+        if rotate and k == step:
+            # Rank r computed data-parallel rank r+1's batch: losses compared by batch, exactly (the same weights and
+            # tokens); the gradient shards summed the same terms in another order: to 1e-4.
+            by_dp = {dp: stats[k][0][0] for dp, stats in everyone}  # (first pass: each rank its own)
+            differ = [r for r, (dp, stats) in enumerate(everyone)
+                      if not same(stats[k][1][0], by_dp[(dp + 1) % dp_size])
+                      or abs(stats[k][1][1] - stats[k][0][1]) > 1e-4 * max(stats[k][1][1], stats[k][0][1])]
+            what = "loss of its neighbour's batch or gradient-shard norm"
+        else:
+            differ = [r for r, (_, stats) in enumerate(everyone) if not all(same(a, b) for a, b in zip(*stats[k]))]
+            what = "loss share or gradient-shard norm"
+        if differ:
+            return f"step {k}: rank(s) {', '.join(map(str, differ))} computed another {what}"
+    return None

@@ -16,30 +16,18 @@ import resource
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch.distributed as dist
 
 from hybridpar.errors import ConfigError, DataError
 from hybridpar.config import DataConfig
 from hybridpar.data.corpus import load_builtin_corpus
 from hybridpar.data.gpt_data import (GlobalBatchLoader, build_gpt_datasets, build_passes, check_prefixes, open_blend,
-                                     release_index_readers, split_ranges)
+                                     rank_zero_first, release_index_readers, split_ranges)
 from hybridpar.data.indexed import IndexedTokens, idx_path
 from hybridpar.data.preprocess import preprocess
 from hybridpar.data.stages import StagedDataset, StagePlan, StageSampler
-from hybridpar.data.tokenizer import load_tokenizer
+from hybridpar.data.tokenizer import Tokenizer, load_tokenizer
 
 UNIGRAM_MAX_TOKENS = 50_000_000  # the unigram baseline reads the data once; skip it for large corpora
-
-
-def _rank_zero_first(build):
-    """build() on rank 0 first, then on the other ranks (they then read what rank 0 cached)."""
-    several = dist.is_initialized() and dist.get_world_size() > 1
-    if several and dist.get_rank() != 0:
-        dist.barrier()
-    out = build()
-    if several and dist.get_rank() == 0:
-        dist.barrier()
-    return out
 
 
 def load_data_tokenizer(d: DataConfig, stages: StagePlan | None = None):
@@ -60,7 +48,7 @@ def load_data_tokenizer(d: DataConfig, stages: StagePlan | None = None):
         n_train = split_ranges(len(docs), d.split_fractions)[0][1]
         return load_tokenizer(d.tokenizer, docs[:n_train], sha, cache_dir)
 
-    return _rank_zero_first(build)
+    return rank_zero_first(build)
 
 
 def prepare_builtin(d: DataConfig, tokenizer) -> tuple[str, str]:
@@ -100,7 +88,7 @@ def unigram_loss(data: IndexedTokens, fractions, vocab_size: int) -> float:
 
 @dataclass
 class TrainingData:
-    tokenizer: object
+    tokenizer: Tokenizer
     train: GlobalBatchLoader
     valid: list  # this rank's fixed validation microbatches
     description: str
@@ -142,7 +130,7 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     if run.stages is not None:
         return _staged_training_data(run, dp_rank, dp_size)
     if d.path == "builtin":
-        path, description = _rank_zero_first(lambda: prepare_builtin(d, tokenizer))
+        path, description = rank_zero_first(lambda: prepare_builtin(d, tokenizer))
     else:
         path, description = d.path, None
     blend, indexes = open_blend(path)
@@ -210,7 +198,7 @@ def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     run), then the position-keyed loader."""
     cfg, tokenizer, plan = run.cfg, run.tokenizer, run.stages
     d, t, vocab, G = cfg.data, cfg.train, cfg.model.vocab_size, cfg.train.global_batch_size
-    builtin = _rank_zero_first(lambda: prepare_builtin(d, tokenizer))[0] if "builtin" in plan.sources else None
+    builtin = rank_zero_first(lambda: prepare_builtin(d, tokenizer))[0] if "builtin" in plan.sources else None
     path = {p: builtin if p == "builtin" else p for p in plan.sources}
     indexes = {p: IndexedTokens(p) for p in path.values()}
     check_prefixes(list(indexes), indexes, d.split, d.split_fractions, tokenizer, vocab, ("train", "valid"))

@@ -32,37 +32,11 @@ import torch.distributed as dist
 
 from hybridpar.data.index_cache import check_index_files, check_index_values, no_pickle_numpy
 from hybridpar.data.indexed import DataError, IndexedTokens, bin_path, idx_path
+from hybridpar.data.stages import PASS_SEED_STRIDE, parse_blend
 
 SPLITS = ("train", "valid", "test")
 IGNORE_INDEX = -100  # a target that counts zero in the loss (torch's cross_entropy default)
 SURPLUS = 0.005  # extra samples per blended component, as megatron-core's builder draws
-
-
-def parse_blend(path: str) -> list[tuple[float, str]]:
-    """'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' -> [(normalised weight, prefix)]."""
-    parts = path.split()
-    if len(parts) == 1:
-        return [(1.0, parts[0])]
-    if len(parts) % 2:
-        raise DataError(f"data.path={path!r}: a blend is 'WEIGHT PREFIX WEIGHT PREFIX ...', e.g. "
-                        f"'0.7 /data/web 0.3 /data/code'")
-    pairs = []
-    for w, prefix in zip(parts[::2], parts[1::2]):
-        try:
-            weight = float(w)
-        except ValueError:
-            raise DataError(f"data.path={path!r}: blend weight {w!r} is not a number; write e.g. "
-                            f"'0.7 /data/web 0.3 /data/code'") from None
-        if not weight > 0 or math.isinf(weight):
-            raise DataError(f"data.path={path!r}: blend weight {w} must be a positive number")
-        pairs.append((weight, prefix))
-    seen = [p for _, p in pairs]
-    twice = next((p for p in seen if seen.count(p) > 1), None)
-    if twice is not None:  # one rule for data.path and every stage: a source is named once, with its whole weight
-        added = sum(w for w, p in pairs if p == twice)
-        raise DataError(f"data.path={path!r} names {twice} twice; name it once with the weights added ({added:g})")
-    total = sum(w for w, _ in pairs)
-    return [(w / total, p) for w, p in pairs]
 
 
 def open_blend(path: str) -> tuple[list[tuple[float, str]], dict[str, IndexedTokens]]:
@@ -227,8 +201,6 @@ def build_passes(prefix: str, passes: range, split: str, fractions, seq_len: int
     """Passes `passes` over one prefix's train split in sequences of seq_len tokens (pass e: one epoch in
     megatron-core's order for seed + 7919 e, hybridpar.data.stages), and with n_valid its first n_valid validation
     samples (else None); checked prefixes only."""
-    from hybridpar.data.stages import PASS_SEED_STRIDE
-
     def one(split_name: str, seed_: int, n):
         return _build([(1.0, prefix)], split, fractions, seq_len, seed_, tokenizer, {split_name: n}, cache_dir)
 
@@ -260,7 +232,6 @@ class GlobalBatchLoader:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hybridpar-{name}-loader")
         self._pending: dict = {}
         self.crc32: dict[int, int] = {}  # batch -> CRC-32 of this rank's inputs and targets (pop it after use)
-        self.order = lambda step: step  # 0-based step -> 0-based global batch (the trainer's skipped batches)
 
     def sample_indices(self, step: int, rank_shift: int = 0) -> range:
         first = step * self.G + (self.dp_rank + rank_shift) % (self.G // self.per_rank) * self.per_rank
@@ -288,10 +259,10 @@ class GlobalBatchLoader:
             x, y = x.pin_memory(), y.pin_memory()
         return [(x[m:m + micro], y[m:m + micro]) for m in range(0, self.per_rank, micro)]
 
-    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The microbatches that 0-based optimizer step `step` trains: global batch order(step) (the step itself,
-        past the batches a run skips), with the next steps' batches read ahead."""
-        index = self.order(step)
+    def microbatches(self, step: int, batch_for=lambda step: step) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The microbatches that 0-based optimizer step `step` trains: global batch batch_for(step) (the step
+        itself, or past the batches a run skips: TrainState.batch_for), with the next steps' batches read ahead."""
+        index = batch_for(step)
         if index >= self.n_steps:
             raise DataError(f"{self.name} data has {len(self.dataset)} samples, {self.n_steps} global batches; "
                             f"step {step + 1} would train batch {index + 1}, past its end"
@@ -304,7 +275,7 @@ class GlobalBatchLoader:
         for s in [s for s in list(self.crc32) if s < index]:  # list(): one atomic copy (the reader thread adds)
             del self.crc32[s]
         for s in range(step + 1, step + 1 + self.prefetch):
-            s = self.order(s)
+            s = batch_for(s)
             if s < self.n_steps and s not in self._pending:
                 self._pending[s] = self._pool.submit(self.load, s)
         return batch

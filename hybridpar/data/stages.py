@@ -33,6 +33,7 @@ in the trainer state of later checkpoints). Positions before an origin are not d
 from __future__ import annotations
 
 import bisect
+import math
 import re
 import threading
 from dataclasses import dataclass
@@ -65,10 +66,35 @@ class StageText:
     blend: tuple[tuple[float, str], ...]
 
 
+def parse_blend(path: str) -> list[tuple[float, str]]:
+    """'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' -> [(normalised weight, prefix)]."""
+    parts = path.split()
+    if len(parts) == 1:
+        return [(1.0, parts[0])]
+    if len(parts) % 2:
+        raise DataError(f"data.path={path!r}: a blend is 'WEIGHT PREFIX WEIGHT PREFIX ...', e.g. "
+                        f"'0.7 /data/web 0.3 /data/code'")
+    pairs = []
+    for w, prefix in zip(parts[::2], parts[1::2]):
+        try:
+            weight = float(w)
+        except ValueError:
+            raise DataError(f"data.path={path!r}: blend weight {w!r} is not a number; write e.g. "
+                            f"'0.7 /data/web 0.3 /data/code'") from None
+        if not weight > 0 or math.isinf(weight):
+            raise DataError(f"data.path={path!r}: blend weight {w} must be a positive number")
+        pairs.append((weight, prefix))
+    seen = [p for _, p in pairs]
+    twice = next((p for p in seen if seen.count(p) > 1), None)
+    if twice is not None:  # one rule for data.path and every stage: a source is named once, with its whole weight
+        added = sum(w for w, p in pairs if p == twice)
+        raise DataError(f"data.path={path!r} names {twice} twice; name it once with the weights added ({added:g})")
+    total = sum(w for w, _ in pairs)
+    return [(w / total, p) for w, p in pairs]
+
+
 def parse_stage(text: str) -> StageText:
     """'START[ ramp R][ seq L]: BLEND' -> StageText; a one-line DataError naming the entry otherwise."""
-    from hybridpar.data.gpt_data import parse_blend
-
     m = _STAGE.fullmatch(str(text))
     if m is None:
         raise DataError(f"data.stages entry {text!r}: write 'START[ ramp R][ seq L]: BLEND', START and R in global batches "

@@ -20,12 +20,26 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Protocol
 
 from hybridpar.errors import ConfigError, first_line
 
 EOD_TOKEN = "<|endoftext|>"  # what hybridpar's trained BPEs use
 EOD_TOKENS = (EOD_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # GPT-2, Llama 3, Llama 2 / Mistral, Gemma
+
+
+class Tokenizer(Protocol):
+    """What every tokenizer here provides (ByteTokenizer, HFTokenizer, SentencePieceTokenizer)."""
+    vocab_size: int
+    eod_id: int  # the end-of-document id
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+    def decode(self, ids: Iterable[int]) -> str: ...
+    def save(self, directory: Path) -> None: ...  # its files, for a checkpoint or run dir
+
+    @property
+    def fingerprint(self) -> str: ...  # equal for tokenizers that encode alike
 
 
 class ByteTokenizer:
@@ -116,7 +130,7 @@ class SentencePieceTokenizer:
 
 def _gpt2_bpe(directory: str, spec: str):
     """GPT-2's tokenizer from its two files, offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFModel, decoders, models, pre_tokenizers
 
     d = Path(directory)
     for vocab, merges in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
@@ -125,7 +139,7 @@ def _gpt2_bpe(directory: str, spec: str):
     else:
         raise ConfigError(f"data.tokenizer={spec!r}: {directory!r} holds neither vocab.json + merges.txt nor "
                          f"encoder.json + vocab.bpe; give the directory of GPT-2's tokenizer files")
-    tok = Tokenizer(_read(spec, d / vocab, f"GPT-2's {vocab} + {merges}",
+    tok = HFModel(_read(spec, d / vocab, f"GPT-2's {vocab} + {merges}",
                           lambda: models.BPE.from_file(str(d / vocab), str(d / merges))))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -143,9 +157,9 @@ def _read(spec: str, path, what: str, load):
 
 def train_bpe(docs: Iterable[str], vocab_size: int):
     """Train a byte-level BPE (GPT-2 style: bytes as the initial alphabet, so every text encodes), streaming."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFModel, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
+    tok = HFModel(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN], show_progress=False,
@@ -155,17 +169,17 @@ def train_bpe(docs: Iterable[str], vocab_size: int):
 
 
 def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: str = "",
-                   cache_dir: Path | None = None):
+                   cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer a `data.tokenizer` spec names. Raises ValueError with the fix for a bad spec."""
     if spec == "bytes":
         return ByteTokenizer()
     kind, _, arg = spec.partition(":")
     if kind == "bpe" and arg:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer as HFModel
 
         if not Path(arg).is_file():
             raise ConfigError(f"data.tokenizer={spec!r}: no such file {arg!r}; give the path of a tokenizer.json")
-        return HFTokenizer(_read(spec, arg, "tokenizer.json", lambda: Tokenizer.from_file(arg)), spec)
+        return HFTokenizer(_read(spec, arg, "tokenizer.json", lambda: HFModel.from_file(arg)), spec)
     if kind == "gpt2" and arg:
         return HFTokenizer(_gpt2_bpe(arg, spec), spec)
     if kind == "sentencepiece" and arg:
@@ -182,12 +196,12 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
         if train_docs is None:
             raise ConfigError(f"data.tokenizer={spec!r} trains on the built-in corpus only; for your own data run "
                              f"launch/train_tokenizer.py and pass bpe:PATH")
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer as HFModel
 
         path = cache_dir / f"tokenizer-bpe{n}-{corpus_sha[:16]}.json"
         if path.is_file():
             return HFTokenizer(_read(spec, path, "cached tokenizer (delete it to train again)",
-                                     lambda: Tokenizer.from_file(str(path))), spec)
+                                     lambda: HFModel.from_file(str(path))), spec)
         tok = train_bpe(train_docs, n)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

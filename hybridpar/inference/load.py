@@ -18,6 +18,7 @@ from torch import nn
 from hybridpar.checkpoint.dcp import check_config_matches_tensors, load_model_weights
 from hybridpar.checkpoint.layout import resolve_load_path
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config
+from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.errors import CheckpointError, ConfigError
 
 EXPORT_WEIGHTS = "model.safetensors"
@@ -124,7 +125,7 @@ class Loaded:
     model: nn.Module
     run: object  # hybridpar.resolve.Run
     mesh: object
-    tokenizer: object
+    tokenizer: Tokenizer
     source: Source
 
     @property
@@ -138,21 +139,17 @@ class Loaded:
 def load_for_inference(path: str, cfg, tokenizer_spec: str | None = None) -> Loaded:
     """The model of checkpoint `path` on this world's layout, with `cfg`'s parallel and train settings: process
     group, resolve, mesh and model exactly as the trainer starts them, then the weights."""
-    from hybridpar.parallel.distributed import init_mesh, pick_device, start_process_group, world_from_env
+    from hybridpar.parallel.distributed import init_mesh
     from hybridpar.parallel.startup import build_parallel_model
-    from hybridpar.resolve import resolve
+    from hybridpar.resolve import begin
 
     src = find_source(path)
     tokenizer = source_tokenizer(src, tokenizer_spec)
-    cfg = inference_config(src, cfg)
-    world = world_from_env()
-    device = pick_device(cfg.train.device, world.local_rank)
-    start_process_group(cfg.parallel, device, world)
-    run = resolve(cfg, world, device, tokenizer=tokenizer)
+    run = begin(inference_config(src, cfg), tokenizer=tokenizer)
     if tokenizer.vocab_size > run.cfg.model.vocab_size:
         raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model of {src.path} only "
                               f"{run.cfg.model.vocab_size}: not the tokenizer it was trained with")
-    mesh = init_mesh(run.layout.degrees, device)
-    model = build_parallel_model(run.cfg, mesh, device, init=False)
+    mesh = init_mesh(run.layout.degrees, run.device)
+    model = build_parallel_model(run.cfg, mesh, run.device, init=False)
     load_weights(model, src)
     return Loaded(model.eval(), run, mesh, tokenizer, src)

@@ -103,12 +103,12 @@ class HostCopies:
         self.keep = keep
         self.copies: OrderedDict[int, tuple[dict, dict]] = OrderedDict()
 
-    def take(self, trainer, step: int) -> None:
+    def take(self, step: int, optimizer, position: dict) -> None:
+        """Copy this rank's shards (the optimizer's parameters and state) and the loop's `position` of checkpoint
+        `step`."""
         if not self.keep:
             return
-        tensors = {name: t.detach().to("cpu", copy=True) for name, t in
-                   _live_tensors(trainer.optimizer)}
-        self.copies[step] = (tensors, trainer.state_dict())
+        self.copies[step] = ({name: t.detach().to("cpu", copy=True) for name, t in _live_tensors(optimizer)}, position)
         while len(self.copies) > self.keep:
             self.copies.popitem(last=False)
 
@@ -119,14 +119,15 @@ class HostCopies:
         for s in [s for s in self.copies if s > step]:
             del self.copies[s]
 
-    def restore(self, trainer, step: int) -> None:
-        tensors, state = self.copies[step]
+    def restore(self, step: int, optimizer) -> dict:
+        """Copy checkpoint `step`'s shards back into the optimizer's parameters and state; returns its position."""
+        tensors, position = self.copies[step]
         if not any("." in name for name in tensors):  # taken before the first optimizer step: a fresh optimizer
-            trainer.optimizer.state.clear()
-        live = _live_tensors(trainer.optimizer)
+            optimizer.state.clear()
+        live = _live_tensors(optimizer)
         if [n for n, _ in live] != list(tensors):
             raise RuntimeError(f"host copy of step {step}: the optimizer state's layout changed since it was taken")
         with torch.no_grad():
             for name, t in live:
                 t.copy_(tensors[name])
-        trainer.load_state_dict(state)
+        return position

@@ -1,0 +1,50 @@
+"""The training loop's one mutable record: where the run is and what it decided on the way. A checkpoint saves it, a
+resume or a rewind replaces it, and nothing else holds a copy of these numbers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridpar.training.spikes import batch_number, windows_of, windows_tensor
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    consumed_samples: int = 0  # samples of all ranks trained so far (step x global batch)
+    skipped: int = 0  # non-finite steps, in all
+    skip_streak: int = 0  # non-finite steps in a row
+    # Loss spikes (hybridpar.training.spikes): the batches never trained (data.skip_batches, then each rewind's), the
+    # window of earlier (loss, grad norm) a spike test compares with, the rewinds done, the end of a rewind's
+    # learning-rate scaling.
+    skip_windows: list[tuple[int, int]] = field(default_factory=list)
+    spike_history: list[tuple[float, float]] = field(default_factory=list)
+    rewinds: int = 0
+    lr_scale_until: int = 0
+
+    def batch_for(self, step: int) -> int:
+        """The 0-based global batch that 0-based step `step` trains: the step-th batch outside the skipped windows."""
+        return batch_number(step + 1, self.skip_windows) - 1
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped": self.skipped,
+                "skip_streak": self.skip_streak, "skip_windows": windows_tensor(self.skip_windows),
+                "spike_history": torch.tensor(self.spike_history, dtype=torch.float64).reshape(-1, 2),
+                "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """A checkpoint's record (ints or 0-d tensors; older checkpoints lack the spike fields and the streak)."""
+        history = saved.get("spike_history")
+        self.step, self.consumed_samples = int(saved["step"]), int(saved["consumed_samples"])
+        self.skipped, self.skip_streak = int(saved["skipped"]), int(saved.get("skip_streak", 0))
+        self.skip_windows = windows_of(saved["skip_windows"]) if "skip_windows" in saved else []
+        self.spike_history = [] if history is None else [tuple(r) for r in history.reshape(-1, 2).tolist()]
+        self.rewinds, self.lr_scale_until = int(saved.get("rewinds", 0)), int(saved.get("lr_scale_until", 0))
+
+    @classmethod
+    def of(cls, saved: dict) -> "TrainState":
+        state = cls()
+        state.load_state_dict(saved)
+        return state
