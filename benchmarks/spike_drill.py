@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # spike_data.py: the poisoned copy of the data
 
 POISONED = [110, 150]
 
@@ -33,7 +34,7 @@ def main() -> int:
     from hybridpar.config import DataConfig
     from hybridpar.config.cli import load_config
     from hybridpar.data.dataset import load_data_tokenizer, prepare_builtin
-    from hybridpar.data.drill import poison_batches
+    from spike_data import poison_batches
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

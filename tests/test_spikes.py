@@ -1,5 +1,5 @@
 """Loss spikes: the test against its window (by hand), the batch numbering past skipped windows (by enumeration),
-and real runs on data with poisoned batches (hybridpar.data.drill) and with an injected fault: a rewound run equals
+and real runs on data with poisoned batches (tests/spike_data.py) and with an injected fault: a rewound run equals
 a run resumed from the same checkpoint with the same batches skipped, bitwise; a rerun tells the data from a fault
 and names the rank."""
 
@@ -106,7 +106,7 @@ def _poison(cache_dir, out, args):
     of a run with `args`; returns the arguments that train on it."""
     from hybridpar.config.cli import load_config
     from hybridpar.data.dataset import load_data_tokenizer, prepare_builtin
-    from hybridpar.data.drill import poison_batches
+    from spike_data import poison_batches
 
     d = DataConfig(cache_dir=str(cache_dir))
     tokenizer = load_data_tokenizer(d)

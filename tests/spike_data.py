@@ -1,4 +1,4 @@
-"""Spike drills: a copy of a run's data whose chosen global batches hold random tokens, for checking that loss-spike
+"""Spike drills (tests/test_spikes.py, benchmarks/spike_drill.py): a copy of a run's data whose chosen global batches hold random tokens, for checking that loss-spike
 detection and rewinds (train.spike) work on a real run before a real spike needs them.
 
 The copy keeps every document's length, so megatron-core builds the same sample order from it: the run trained on
