@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hybridpar.config.cli import load_config
 from hybridpar.data.corpus import load_builtin_corpus
 from hybridpar.data.dataset import load_data_tokenizer
-from hybridpar.data.gpt_data import GlobalBatchLoader, build_gpt_datasets, open_blend
+from hybridpar.data.gpt_data import GlobalBatchLoader, PlainSamples, build_gpt_datasets, open_blend
 from hybridpar.data.preprocess import iter_documents, preprocess
 from hybridpar.data.tokenizer import load_tokenizer
 
@@ -56,7 +56,7 @@ def main() -> None:
             batches = 60
             train = build_gpt_datasets(*open_blend(str(tmp / f"out-{a.workers[-1]}")), "99,1,0", (0.99, 0.01, 0.0), a.seq_len, 0,
                                        bpe, 4096, {"train": 32 * batches}, tmp / "cache")["train"]
-            loader = GlobalBatchLoader(train, 32, 8, 0, 1, 4096, "train", prefetch=0)
+            loader = GlobalBatchLoader(PlainSamples(train, 8), 32, 0, 1, 4096, "train", prefetch=0)
             start = time.perf_counter()
             for s in range(batches):
                 loader.load(s)

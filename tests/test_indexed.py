@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridpar.data.gpt_data import GlobalBatchLoader, _megatron, build_gpt_datasets, open_blend
+from hybridpar.data.gpt_data import GlobalBatchLoader, PlainSamples, _megatron, build_gpt_datasets, open_blend
 from hybridpar.data.stages import parse_blend
 from hybridpar.data.indexed import DataError, IndexedTokens, IndexedWriter
 from hybridpar.data.tokenizer import ByteTokenizer
@@ -109,7 +109,7 @@ def test_global_order_is_the_same_for_any_dp_and_across_a_resume(tmp_path):
 
     runs = {}
     for dp, micro in ((1, 8), (2, 2), (4, 1)):
-        loaders = [GlobalBatchLoader(train, 8, micro, r, dp, 256, "train") for r in range(dp)]
+        loaders = [GlobalBatchLoader(PlainSamples(train, micro), 8, r, dp, 256, "train") for r in range(dp)]
         runs[dp] = [global_batch(dp, micro, s, loaders) for s in range(6)]
         for loader in loaders:
             loader.close()
@@ -117,7 +117,7 @@ def test_global_order_is_the_same_for_any_dp_and_across_a_resume(tmp_path):
         for s in range(6):
             assert torch.equal(runs[dp][s], runs[1][s]), (dp, s)
     # Resume at step 3 on another dp size: a fresh loader continues with exactly the same samples.
-    resumed = [GlobalBatchLoader(train, 8, 4, r, 2, 256, "train") for r in range(2)]
+    resumed = [GlobalBatchLoader(PlainSamples(train, 4), 8, r, 2, 256, "train") for r in range(2)]
     for s in range(3, 6):
         assert torch.equal(global_batch(2, 4, s, resumed), runs[1][s])
 
@@ -132,7 +132,7 @@ def test_batch_crc32_covers_the_inputs_and_targets_of_the_ranks_samples(tmp_path
     prefix = _write(tmp_path / "d", _docs(300, seed=3))
     train = build_gpt_datasets(*open_blend(prefix), "100,1,0", (100 / 101, 1 / 101, 0.0), 16, 7, ByteTokenizer(), 256,
                                {"train": 8 * 4}, tmp_path / "cache")["train"]
-    loader = GlobalBatchLoader(train, 8, 2, 1, 2, 256, "train")
+    loader = GlobalBatchLoader(PlainSamples(train, 2), 8, 1, 2, 256, "train")
     try:
         loader.microbatches(2)
         got = loader.crc32[2]

@@ -173,8 +173,8 @@ def test_the_same_global_batches_on_1_2_and_4_ranks_and_the_reads_of_the_rule(tm
     n_batches = 40
     batches = {}
     for dp, micro in ((1, 8), (2, 2), (4, 1)):
-        dataset = StagedDataset(StageSampler(plan, 7, 8), streams, n_batches * 8, ["web", "code"])
-        loaders = [GlobalBatchLoader(dataset, 8, micro, r, dp, 256, "train") for r in range(dp)]
+        dataset = StagedDataset(StageSampler(plan, 7, 8), streams, n_batches * 8, ["web", "code"], micro, 32)
+        loaders = [GlobalBatchLoader(dataset, 8, r, dp, 256, "train") for r in range(dp)]
         batches[dp] = [torch.cat([x for r in range(dp) for x, _ in loaders[r].microbatches(b)])
                        for b in range(n_batches)]
         for loader in loaders:

@@ -20,7 +20,7 @@ import numpy as np
 from hybridpar.errors import ConfigError, DataError
 from hybridpar.config import DataConfig
 from hybridpar.data.corpus import load_builtin_corpus
-from hybridpar.data.gpt_data import (GlobalBatchLoader, build_gpt_datasets, build_passes, check_prefixes, open_blend,
+from hybridpar.data.gpt_data import (GlobalBatchLoader, PlainSamples, build_gpt_datasets, build_passes, check_prefixes, open_blend,
                                      rank_zero_first, release_index_readers, split_ranges)
 from hybridpar.data.indexed import IndexedTokens, idx_path
 from hybridpar.data.preprocess import preprocess
@@ -102,11 +102,8 @@ class TrainingData:
     def samples_line(self, needed: int, tokens: int) -> str:
         """How many training samples exist and why: train.steps x global batch asks for `needed`; the dataset is
         built in whole passes over its split, so it holds at least that many."""
-        ds = self.train.dataset
-        n = len(ds)
-        try:  # a single GPTDataset: one pass = the split's tokens / seq_len
-            per_pass = int(ds.dataset.sequence_lengths[ds.indices].sum()) // ds.config.sequence_length
-        except AttributeError:  # a blend: its parts are built to their weights' shares
+        n, per_pass = len(self.train.dataset), self.train.dataset.per_pass
+        if per_pass is None:  # a blend or stages: their parts are built to their weights' shares
             return f"{n:,} train samples of {tokens} tokens (train.steps x global batch needs {needed:,})"
         passes = -(-needed // per_pass) if per_pass else 0
         return (f"{n:,} train samples of {tokens} tokens (train.steps x global batch needs {needed:,}: {passes} "
@@ -141,8 +138,11 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
                               {"train": train_batches(cfg) * t.global_batch_size, "valid": n_valid},
                               d.cache_path)
     pin = run.device.type == "cuda"
-    train = GlobalBatchLoader(sets["train"], t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, vocab,
-                              "train", pin_memory=pin)
+    ds = sets["train"]  # one GPTDataset (one pass = the split's tokens / seq_len), or a blend built to its shares
+    per_pass = (int(ds.dataset.sequence_lengths[ds.indices].sum()) // ds.config.sequence_length if len(blend) == 1
+                else None)
+    train = GlobalBatchLoader(PlainSamples(ds, t.micro_batch_size, per_pass), t.global_batch_size, dp_rank, dp_size,
+                              vocab, "train", pin_memory=pin)
     valid = _valid_batches(sets["valid"], t, dp_rank, dp_size, vocab)
     unigram = (unigram_loss(indexes[blend[0][1]], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1
                else float("nan"))
@@ -154,8 +154,8 @@ def _valid_batches(dataset, t, dp_rank: int, dp_size: int, vocab: int) -> list:
     validation is off)."""
     if not t.eval_interval:
         return []
-    loader = GlobalBatchLoader(dataset, t.global_batch_size, t.micro_batch_size, dp_rank, dp_size, vocab, "valid",
-                               prefetch=0)
+    loader = GlobalBatchLoader(PlainSamples(dataset, t.micro_batch_size), t.global_batch_size, dp_rank, dp_size, vocab,
+                               "valid", prefetch=0)
     batches = [mb for k in range(t.eval_batches) for mb in loader.load(k)]
     loader.close()
     return batches
@@ -224,7 +224,7 @@ def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
                                d.cache_path)[0]
     names = source_names(plan.sources)
     dataset = StagedDataset(sampler, streams, n_batches * G, names, t.micro_batch_size, t.seq_len)
-    train = GlobalBatchLoader(dataset, G, t.micro_batch_size, dp_rank, dp_size, vocab, "train",
+    train = GlobalBatchLoader(dataset, G, dp_rank, dp_size, vocab, "train",
                               pin_memory=run.device.type == "cuda")
     n_valid = t.eval_batches * G if t.eval_interval else 0
     valid_sources = {n: _valid_batches(build_passes(path[p], range(0), *split, t.seq_len, t.seed, tokenizer,

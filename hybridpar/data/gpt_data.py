@@ -25,6 +25,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -219,13 +220,38 @@ def release_index_readers() -> None:
         clear()
 
 
+class Samples(Protocol):
+    """What the loader reads (PlainSamples, hybridpar.data.stages.StagedDataset): samples by global position."""
+    per_pass: int | None  # samples one pass over the split holds (None: built to a blend's or stages' shares)
+
+    def __len__(self) -> int: ...
+    def rows(self, positions: range) -> list[dict]: ...  # consecutive positions inside one global batch
+    def micro_batch(self, batch: int, per_rank: int) -> int: ...  # sequences per microbatch in 0-based batch
+
+
+class PlainSamples:
+    """A megatron-core GPTDataset or BlendedDataset as Samples: every batch in microbatches of `micro`."""
+
+    def __init__(self, dataset, micro: int, per_pass: int | None = None):
+        self.dataset, self.micro, self.per_pass = dataset, micro, per_pass
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def rows(self, positions: range) -> list[dict]:
+        return [self.dataset[i] for i in positions]
+
+    def micro_batch(self, batch: int, per_rank: int) -> int:
+        return self.micro
+
+
 class GlobalBatchLoader:
     """This data-parallel rank's microbatches of global batch `step`, with the next steps read ahead by a
     background thread (the device never waits on disk), and every batch's token ids checked against the vocab."""
 
-    def __init__(self, dataset, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int, vocab_size: int,
+    def __init__(self, dataset: Samples, global_batch: int, dp_rank: int, dp_size: int, vocab_size: int,
                  name: str, prefetch: int = 2, pin_memory: bool = False):
-        self.dataset, self.G, self.micro, self.name = dataset, global_batch, micro_batch, name
+        self.dataset, self.G, self.name = dataset, global_batch, name
         self.dp_rank, self.per_rank, self.vocab_size = dp_rank, global_batch // dp_size, vocab_size
         self.prefetch, self.pin = prefetch, pin_memory
         self.n_steps = len(dataset) // global_batch
@@ -241,12 +267,12 @@ class GlobalBatchLoader:
         """Global batch `step`'s microbatches for this rank (with rank_shift, data-parallel rank + shift's), read
         now (no read-ahead)."""
         idx = self.sample_indices(step, rank_shift)
-        rows = self.dataset.rows(idx) if hasattr(self.dataset, "rows") else [self.dataset[i] for i in idx]
+        rows = self.dataset.rows(idx)
         x = torch.stack([r["tokens"] for r in rows])
         y = torch.stack([r["labels"] for r in rows])
         mask = torch.stack([r["loss_mask"] for r in rows])
         y = y.masked_fill(mask == 0, IGNORE_INDEX)
-        micro = self.dataset.micro_batch(step, self.per_rank) if hasattr(self.dataset, "micro_batch") else self.micro
+        micro = self.dataset.micro_batch(step, self.per_rank)
         hi, lo = int(torch.maximum(x.max(), y.max())), int(x.min())
         if hi >= self.vocab_size or lo < 0:
             raise DataError(f"{self.name} samples {idx.start}..{idx.stop - 1} hold token id {hi if lo >= 0 else lo} "

@@ -263,6 +263,8 @@ class StagedDataset:
     stream is a list of megatron-core GPTDatasets, one per pass (hybridpar.data.gpt_data builds them); `names` are
     the sources' short names (metrics), in plan.sources order."""
 
+    per_pass = None  # (each stream has its own passes)
+
     def __init__(self, sampler: StageSampler, streams: list[list], n_samples: int, names: list[str],
                  micro: int = 1, seq_len: int = 0):
         self.sampler, self.streams, self.n_samples, self.names = sampler, streams, n_samples, names

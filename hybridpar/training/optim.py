@@ -3,6 +3,7 @@ and DTensor grads."""
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -96,11 +97,19 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
             continue
         groups.setdefault(tensor_kind(g), []).append(g)
     squares = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        squares.append(norm.float() ** 2)
+    # DTensor warns when a norm reduces over two mesh axes with two all-reduces. Every rank still gets the same value
+    # (the first all-reduce leaves identical partial sums inside each group): noise for these norms, quieted here.
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            squares.append(norm.float() ** 2)
+    finally:
+        log.setLevel(level)
     if not squares:
         return torch.zeros((), device=next(model.parameters()).device)
     total = torch.stack(squares).sum().sqrt()
