@@ -41,12 +41,11 @@ from hybridpar.errors import ConfigError, DataError, RunDirError
 from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
 from hybridpar.parallel.fp8 import check_fp8
-from hybridpar.parallel.distributed import (WorldInfo, gpus_per_node, pick_device, resolve_degrees,
+from hybridpar.parallel.distributed import (Layout, WorldInfo, gpus_per_node, pick_device, resolve_degrees,
                                             start_process_group, world_from_env)
 from hybridpar.planning.layouts import (check_auto, choose_accumulation, choose_layout, describe_choice, gpu_by_name,
                                         refuse_if_too_big, usable_bytes)
 from hybridpar.planning.cost import GPU, GPUS
-from hybridpar.planning.shapes import Layout
 
 
 @dataclass(frozen=True)
@@ -247,8 +246,13 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     """The Run of `cfg` on `world` (this process's rank) and `device`, in the order of the module docstring.
     own_run_dir: take the run dir's lock and look for a checkpoint to resume (the trainer's launcher). tokenizer:
     one already loaded, instead of data.tokenizer's. gpu: plan for this GPU type instead of the device (its
-    usable memory, world.local_world_size GPUs per node, no refusal: launch/plan.py reports the fit). Collectives
-    run only when a process group with several ranks exists."""
+    usable memory, world.local_world_size GPUs per node, no refusal: launch/plan.py reports the fit).
+
+    Besides deriving values, resolve acts, in this order: it compares the ranks' configs and takes the minimum of
+    their usable memory (collectives, when a process group with several ranks exists), takes the run dir's lock
+    (own_run_dir; released again if a later step refuses), reads the checkpoint it will resume from (its
+    run_state.json and config.yaml), and loads the tokenizer, or trains it (train-bpe:N, rank 0 first, cached under
+    data.cache_dir). It writes nothing else."""
     _same_config_on_every_rank(cfg)  # 0
     run_dir = Path(cfg.run.dir) if cfg.run.dir else Path("runs") / (cfg.run.name or cfg.model.name)  # 1
     cfg = replace(cfg, run=replace(cfg.run, name=cfg.run.name or cfg.model.name, dir=str(run_dir)))

@@ -580,7 +580,8 @@ class Trainer:
             dist.all_reduce(spread, op=dist.ReduceOp.MAX)
         staged, flops_per_token = {}, self.flops_per_token
         if self.run.stages is not None:  # stage, samples per source, tokens; the last batch's sequence length
-            staged = self.data.train.dataset.row(self.state.batch_for(step - 1) + 1, self.state.skip_windows)
+            staged = self.data.train.dataset.trained_before(self.state.batch_for(step - 1) + 1,
+                                                            self.state.skip_windows)
             tokens_per_step = self.cfg.train.global_batch_size * staged["seq_len"]
             flops_per_token = flops_per_token_of(self.cfg.model, staged["seq_len"])
         tps = steps * tokens_per_step / elapsed

@@ -63,7 +63,7 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, C
     cfg = replace(cfg, train=replace(cfg.train, steps=max(cfg.train.steps, warmup + steps)),
                   run=replace(cfg.run, dir=str(tmp)))
     trainer = start_trainer(cfg)  # the trainer's own start-up path, on a run dir nothing is written into
-    cfg, device, mesh = trainer.cfg, trainer.device, trainer.mesh
+    cfg, device = trainer.cfg, trainer.device
     trainer.open_log(enabled=False)
     marks = _Marks(device)
     opt_marks: list = []  # (pre, post) per optimizer step
@@ -90,11 +90,10 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, C
     tflops = trainer.flops_per_token * tps / n / 1e12
     peak = trainer.peak_tflops
     total = sum(timed)
-    from hybridpar.planning.cost import Layout, memory
+    from hybridpar.planning.cost import memory
 
-    layout = Layout(mesh["dp_replicate"].size(), mesh["dp_shard"].size(), mesh["tp"].size())
     result = {
-        "planned_bytes": memory(cfg, layout)["total_bytes_per_gpu"],  # the run's resolved config: what it chose
+        "planned_bytes": memory(cfg, trainer.run.layout)["total_bytes_per_gpu"],  # the run's resolved config: what it chose
         "accumulate_unsharded": cfg.parallel.accumulate_unsharded,
         "microbatches": trainer.run.microbatches,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,

@@ -23,7 +23,8 @@ import torch
 from hybridpar.config.cli import ConfigError, parse_command
 from hybridpar.models.config import doc
 from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
-from hybridpar.planning.cost import GIB, GPU, GPUS, Layout, memory, muon_share, step_time
+from hybridpar.parallel.distributed import Layout
+from hybridpar.planning.cost import GIB, GPU, GPUS, memory, muon_share, step_time
 from hybridpar.planning.layouts import rank_layouts
 from hybridpar.resolve import longest_stage, resolve
 

@@ -128,7 +128,7 @@ def test_the_planner_counts_float8_all_gathers_and_both_peaks():
     against both peaks; a GPU without float8 is refused."""
     from hybridpar.planning.cost import GPUS, all_gather_bytes, step_time
     from hybridpar.planning.flops import flops_parts
-    from hybridpar.planning.shapes import Layout
+    from hybridpar.parallel.distributed import Layout
 
     cfg = load_config(["--model.name", "gpt3-1.3b", "--train.precision", "bf16", "--train.seq_len", "2048",
                        "--train.global_batch_size", "512", "--train.micro_batch_size", "4"])

@@ -270,7 +270,8 @@ def test_muon_bytes_sent_on_ranks_are_the_planners(tmp_path, cache_dir):
     import json
 
     from conftest import run_cli
-    from hybridpar.planning.cost import Layout, muon_share
+    from hybridpar.parallel.distributed import Layout
+    from hybridpar.planning.cost import muon_share
 
     run_dir = tmp_path / "run"
     argv = ["--train.steps", "2", "--train.global_batch_size", "8", "--train.seq_len", "32", "--model.n_layers", "3",

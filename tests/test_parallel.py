@@ -400,7 +400,8 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
     import collections
     import json
 
-    from hybridpar.planning.cost import GPUS, Layout, step_time
+    from hybridpar.parallel.distributed import Layout
+    from hybridpar.planning.cost import GPUS, step_time
 
     run_dir = tmp_path / "run"
     argv = ["--train.steps", "3", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",

@@ -19,7 +19,8 @@ from hybridpar.planning.dry_run import saved_activation_bytes
 from hybridpar.models import build_model
 from hybridpar.parallel import apply_activation_checkpointing
 from hybridpar.planning.cost import GIB, activation_bytes, memory
-from hybridpar.planning.shapes import Layout, chunk, local_shapes
+from hybridpar.parallel.distributed import Layout
+from hybridpar.planning.shapes import chunk, local_shape, param_specs
 from warm import Results, spawn
 
 _spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "plan.py")
@@ -62,7 +63,8 @@ def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank, capsys
     # Tensor by tensor, not just in total.
     cfg = load_config(["--model.name", model])
     lay = r["layout"]
-    planned = local_shapes(cfg.model, Layout(lay["dp_replicate"], lay["dp_shard"], lay["tp"]), rank)
+    layout = Layout(lay["dp_replicate"], lay["dp_shard"], lay["tp"])
+    planned = {s.name: local_shape(s, layout, rank) for s in param_specs(cfg.model)}
     assert {k: list(v) for k, v in planned.items()} == r["dry_run_local_shapes"]
 
 

@@ -108,7 +108,8 @@ def test_a_layout_that_cannot_fit_is_refused_with_one_that_does():
     from hybridpar.config.cli import load_config
     from hybridpar.errors import ConfigError
     from hybridpar.planning.layouts import refuse_if_too_big
-    from hybridpar.planning.cost import GIB, GPUS, Layout
+    from hybridpar.parallel.distributed import Layout
+    from hybridpar.planning.cost import GIB, GPUS
 
     cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "8",
                        "--train.micro_batch_size", "8", "--train.precision", "bf16"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from hybridpar.models.config import doc
@@ -47,7 +48,7 @@ class DataConfig:
             raise ValueError(f"data.path={self.path!r} and data.stages both name the training data; put every source "
                              f"in data.stages (e.g. '0: 1 {self.path.split()[-1]}') and drop data.path")
 
-    @property
+    @cached_property  # (kept in the instance's __dict__, beside the frozen fields: parsed once)
     def skip_windows(self) -> list[tuple[int, int]]:
         """data.skip_batches as sorted, merged (first, last) batch numbers, 1-based and inclusive."""
         windows = []
@@ -65,7 +66,7 @@ class DataConfig:
     def cache_path(self) -> Path:
         return Path(os.path.expanduser(self.cache_dir))
 
-    @property
+    @cached_property
     def split_fractions(self) -> tuple[float, float, float]:
         w = [float(p) for p in self.split.split(",")]
         return w[0] / sum(w), w[1] / sum(w), w[2] / sum(w)

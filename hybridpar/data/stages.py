@@ -306,12 +306,11 @@ class StagedDataset:
         return np.concatenate([[self.sampler.origin_batch], self.sampler.counts_before(self.sampler.origin_batch)]
                               ).astype(np.int64)
 
-    def row(self, next_batch: int, windows: list[tuple[int, int]]) -> dict:
-        """Metrics of the batches trained before 0-based batch `next_batch`: `stage`, the stage of the last sample
-        trained, and its `seq_len`, `samples/<source>`, each source's samples trained, and `consumed_tokens` (the
-        batches in the
-        skipped windows, 1-based and inclusive, drew theirs but trained none; batches before an origin count as
-        its counts say)."""
+    def trained_before(self, next_batch: int, windows: list[tuple[int, int]]) -> dict:
+        """The metrics of what the batches before 0-based batch `next_batch` trained: `stage` and `seq_len` of the
+        last sample, `samples/<source>` (each source's samples) and `consumed_tokens`. The batches in the skipped
+        `windows` (1-based, inclusive) drew their samples but trained none; the batches before an origin count as
+        its counts say."""
         sampler, plan = self.sampler, self.sampler.plan
         c = sampler.counts_before(next_batch).copy()
         for first, last in windows:

@@ -153,6 +153,31 @@ def start_process_group(cfg: ParallelConfig, device: torch.device, world: WorldI
     dist.init_process_group(rank=world.rank, world_size=world.world_size, **options)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The degrees of the mesh (dp_replicate, dp_shard, tp; tp innermost): rank = (rep * dp_shard + shard) * tp + tp
+    rank."""
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        return self.dp_replicate, self.dp_shard, self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(replicate, shard, tp) coordinates of a rank."""
+        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
+
+
 def init_mesh(degrees: tuple[int, int, int], device: torch.device) -> DeviceMesh:
     """The 3-axis mesh (dp_replicate, dp_shard, tp) over the started process group."""
     return init_device_mesh(device.type, tuple(degrees), mesh_dim_names=MESH_AXES)

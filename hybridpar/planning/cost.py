@@ -21,7 +21,8 @@ from hybridpar.planning.flops import flops_parts
 from hybridpar.models import ModelConfig
 from hybridpar.parallel import uses_fsdp
 from hybridpar.parallel.fsdp import reshard_after_forward
-from hybridpar.planning.shapes import Layout, numel, chunk, local_param_count, local_shape, param_specs
+from hybridpar.parallel.distributed import Layout
+from hybridpar.planning.shapes import numel, chunk, local_param_count, local_shape, param_specs
 
 GIB = 2 ** 30
 

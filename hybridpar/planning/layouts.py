@@ -15,7 +15,8 @@ import torch
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.parallel import uses_fsdp
-from hybridpar.planning.cost import (GIB, GPU, GPUS, RESERVED_GIB, RUNTIME_RESERVE_GIB, Layout, accumulates_unsharded,
+from hybridpar.parallel.distributed import Layout
+from hybridpar.planning.cost import (GIB, GPU, GPUS, RESERVED_GIB, RUNTIME_RESERVE_GIB, accumulates_unsharded,
                                      memory, microbatches, step_time)
 
 

@@ -32,7 +32,8 @@ from hybridpar.config import Config
 from hybridpar.config.cli import load_config
 from hybridpar.planning.cost import (GIB, GPUS, _ring, all_gather_bytes, exposed_fsdp, memory, step_time,
                                      token_curve)
-from hybridpar.planning.shapes import Layout, local_param_count
+from hybridpar.parallel.distributed import Layout
+from hybridpar.planning.shapes import local_param_count
 
 SOURCE = "KempnerForge mfu_scaling.md (2026-04-05), H200, 4 GPUs per node"
 GPUS_PER_NODE = 4

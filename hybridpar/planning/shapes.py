@@ -3,7 +3,7 @@ built on the meta device, each parameter's tensor-parallel dim from the TP plan 
 arithmetic that DTensor Shard placements and FSDP2 (dim 0 of the TP-local tensor) apply. The planner's byte counts
 and the dry run's comparison both start here.
 
-Rank coordinates follow hybridpar.parallel.distributed: the mesh is dp_replicate x dp_shard x tp, tp innermost, so
+Rank coordinates follow hybridpar.parallel.distributed.Layout: the mesh is dp_replicate x dp_shard x tp, tp innermost, so
 rank = (rep * dp_shard + shard) * tp + tp_rank. Rank 0 holds the largest shards (chunks are ceil-sized first).
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from hybridpar.models import ModelConfig, build_model
+from hybridpar.parallel.distributed import Layout
 
 
 @dataclass(frozen=True)
@@ -75,29 +76,6 @@ def chunk(n: int, parts: int, index: int) -> int:
     return max(0, min(size, n - index * size))
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def degrees(self) -> tuple[int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.tp
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(replicate, shard, tp) coordinates of a rank."""
-        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
-
-
 def local_shape(spec: ParamSpec, layout: Layout, rank: int) -> tuple[int, ...]:
     """The shape of this rank's piece: TP chunk of spec.tp_dim, then (with FSDP) the dp_shard chunk of dim 0."""
     _, shard, tp_rank = layout.coords(rank)
@@ -107,10 +85,6 @@ def local_shape(spec: ParamSpec, layout: Layout, rank: int) -> tuple[int, ...]:
     if layout.dp > 1:  # fully_shard shards over dp_shard (on a 1x1 mesh, for bf16, it shards nothing)
         shape[0] = chunk(shape[0], layout.dp_shard, shard)
     return tuple(shape)
-
-
-def local_shapes(m: ModelConfig, layout: Layout, rank: int) -> dict[str, tuple[int, ...]]:
-    return {s.name: local_shape(s, layout, rank) for s in param_specs(m)}
 
 
 def local_param_count(m: ModelConfig, layout: Layout, rank: int = 0, part: str = "all") -> tuple[int, int]:
