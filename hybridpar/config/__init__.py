@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from hybridpar.config.data import DataConfig, merge_windows  # noqa: F401  (merge_windows: re-exported)
+from hybridpar.config.data import DataConfig, check_choices, merge_windows  # noqa: F401  (merge_windows: re-exported)
 from hybridpar.models import get_model_config
 from hybridpar.models.config import ModelConfig, doc
 
@@ -55,6 +55,7 @@ class ParallelConfig:
                                         "(the optimizer step runs on the CPU); for models that do not fit otherwise")
 
     def __post_init__(self):
+        check_choices("parallel", self)
         for name in ("dp_replicate", "dp_shard", "tp"):
             v = getattr(self, name)
             if v == 0 or v < -1:
@@ -127,15 +128,7 @@ class TrainConfig:
     sample_temperature: float = doc(0.8, "sampling temperature; 0 = greedy")
 
     def __post_init__(self):
-        if self.spike not in ("off", "warn", "rewind"):
-            raise ValueError(f"train.spike={self.spike!r}: use off, warn or rewind")
-        if self.fp8 not in ("off", "tensorwise", "rowwise"):
-            raise ValueError(f"train.fp8={self.fp8!r}: use off, tensorwise or rowwise")
-        if self.fp8_linears not in ("hidden", "all"):
-            raise ValueError(f"train.fp8_linears={self.fp8_linears!r}: use hidden or all")
-        if self.activation_checkpointing not in ("none", "full", "selective"):
-            raise ValueError(f"train.activation_checkpointing={self.activation_checkpointing!r}: use none, full "
-                             f"or selective")
+        check_choices("train", self)
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"train.loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = plain logits)")
         if self.max_skipped_steps < 0:
@@ -148,8 +141,6 @@ class TrainConfig:
                   eval_tasks_batch_size=self.eval_tasks_batch_size)
         if not 0 <= self.seed < 2**32:  # numpy's and megatron-core's seed range
             raise ValueError(f"train.seed={self.seed} must be in [0, 2**32)")
-        if self.precision not in (None, "fp32", "bf16"):
-            raise ValueError(f"train.precision={self.precision!r}: use fp32 or bf16")
         if self.grad_clip < 0 or self.eval_interval < 0 or self.sample_tokens < 0 or self.sample_temperature < 0 \
                 or self.eval_tasks_interval < 0:
             raise ValueError("train.grad_clip, eval_interval, eval_tasks_interval, sample_tokens and "
@@ -193,6 +184,7 @@ class OptimConfig:
                                         "choice (foreach on CUDA, the per-tensor loop on CPU)")
 
     def __post_init__(self):
+        check_choices("optim", self)
         _positive("optim", lr=self.lr, eps=self.eps, decay_steps=self.decay_steps, muon_lr=self.muon_lr,
                   muon_ns_steps=self.muon_ns_steps)
         for name in ("lr", "muon_lr"):  # a step of that size leaves float range within a few steps (NaN weights)
@@ -242,8 +234,7 @@ class SpikeConfig:
             raise ValueError("spike.min_rise, spike.grad_norm_zscore and spike.grad_norm_min_rise must be >= 0")
         if self.max_rewinds < 0 or self.lr_steps < 0 or self.keep_in_memory < 0:
             raise ValueError("spike.max_rewinds, spike.lr_steps and spike.keep_in_memory must be >= 0")
-        if self.rerun not in ("off", "same", "rotate"):
-            raise ValueError(f"spike.rerun={self.rerun!r}: use off, same or rotate")
+        check_choices("spike", self)
 
 
 @dataclass(frozen=True)
@@ -280,6 +271,7 @@ class WandbConfig:
     id: Optional[str] = doc(None, "W&B run id; None = a new one, or the one a resumed checkpoint recorded")
 
     def __post_init__(self):
+        check_choices("logging.wandb", self)
         # W&B's own rule for run ids (it refuses others after the run dir exists), checked before anything is written
         if self.id is not None and (not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", self.id) or set(self.id) == {"."}):
             raise ValueError(f"logging.wandb.id={self.id!r}: a W&B run id is 1-128 letters, digits, '_', '-' or '.' "

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 import os
+import typing
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from hybridpar.models.config import doc
 
@@ -27,7 +29,7 @@ class DataConfig:
     stages: list[str] = doc([], "a mixture that changes during the run: entries 'START[ ramp R][ seq L]: BLEND' "
                                 "(START, R in global batches, or samples with an 's' suffix; L tokens per sequence; "
                                 "BLEND as data.path), the first at 0; replaces data.path (docs/data.md#stages)")
-    source_exhausted: str = doc("wrap", "a stage source read past one pass over its train split: wrap (its next "
+    source_exhausted: Literal["wrap", "stop"] = doc("wrap", "a stage source read past one pass over its train split: wrap (its next "
                                         "pass, reshuffled) or stop (refused at start, naming the source)")
 
     def __post_init__(self):
@@ -42,8 +44,7 @@ class DataConfig:
                 or weights[1] <= 0:
             raise ValueError(f"data.split={self.split!r}: give three weights train,valid,test with train and valid > 0, e.g. 98,1,1")
         self.skip_windows  # parsed (and checked) once here
-        if self.source_exhausted not in ("wrap", "stop"):
-            raise ValueError(f"data.source_exhausted={self.source_exhausted!r}: give wrap or stop")
+        check_choices("data", self)
         if self.stages and self.path != "builtin":
             raise ValueError(f"data.path={self.path!r} and data.stages both name the training data; put every source "
                              f"in data.stages (e.g. '0: 1 {self.path.split()[-1]}') and drop data.path")
@@ -70,6 +71,20 @@ class DataConfig:
     def split_fractions(self) -> tuple[float, float, float]:
         w = [float(p) for p in self.split.split(",")]
         return w[0] / sum(w), w[1] / sum(w), w[2] / sum(w)
+
+
+def check_choices(section: str, config) -> None:
+    """Every field of a config section typed Literal[...] (or Optional of one) holds one of the choices its type
+    names: the choices are written once, in the type (the command-line parser reads the same type)."""
+    for name, tp in typing.get_type_hints(type(config)).items():
+        args = typing.get_args(tp) if typing.get_origin(tp) is typing.Union else (tp,)
+        if not all(a is type(None) or typing.get_origin(a) is Literal for a in args):
+            continue  # (a Literal beside other types, e.g. a name or a number: the field checks itself)
+        choices = [c for a in args if a is not type(None) for c in typing.get_args(a)]
+        value = getattr(config, name)
+        if value not in choices and not (value is None and type(None) in args):
+            names = [str(c) for c in choices]
+            raise ValueError(f"{section}.{name}={value!r}: use {', '.join(names[:-1])} or {names[-1]}")
 
 
 def merge_windows(windows) -> list[tuple[int, int]]:
