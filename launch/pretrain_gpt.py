@@ -39,27 +39,32 @@ class StoppedWithoutCheckpoint(Exception):
 def main(cfg: Config) -> TrainResult:
     """Train with `cfg` on the processes the launcher started (one without a launcher)."""
     with Session() as session:
-        trainer, data_changes, read_seconds = session.start(cfg)
-        if session.finished():
-            return TrainResult()
-        # Before the run writes anything: a signal from then on (a test, or SLURM, sees metrics.jsonl appear) is a
-        # preemption, not the default kill.
-        session.catch_signals()
-        session.open_run_dir(data_changes, read_seconds)
-        saving = trainer.cfg.checkpoint.interval > 0
-        try:
-            result = trainer.fit()
-        except StopMidStep as e:
-            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} in step "
-                                           f"{trainer.state.step + 1}, {e}; nothing saved (checkpoint.interval 0), so "
-                                           f"the run cannot be resumed", trainer.stop_signal) from None
-        if result.preempted and not saving:
-            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} after step "
-                                           f"{trainer.state.step}; nothing saved (checkpoint.interval 0), so the run "
-                                           f"cannot be resumed", trainer.stop_signal)
-        if result.preempted:
-            session.mark_preempted()
-        return result
+        return _train(session, cfg)  # (its frame, holding the trainer, ends before the session shuts down)
+
+
+def _train(session: Session, cfg: Config) -> TrainResult:
+    """The session's trainer, resumed, then fit(); a stop with nothing saved is an error with the signal's exit code."""
+    trainer, data_changes, read_seconds = session.start(cfg)
+    if session.finished():
+        return TrainResult()
+    # Before the run writes anything: a signal from then on (a test, or SLURM, sees metrics.jsonl appear) is a
+    # preemption, not the default kill.
+    session.catch_signals()
+    session.open_run_dir(data_changes, read_seconds)
+    saving = trainer.cfg.checkpoint.interval > 0
+    try:
+        result = trainer.fit()
+    except StopMidStep as e:
+        raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} in step "
+                                       f"{trainer.state.step + 1}, {e}; nothing saved (checkpoint.interval 0), so "
+                                       f"the run cannot be resumed", trainer.stop_signal) from None
+    if result.preempted and not saving:
+        raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} after step "
+                                       f"{trainer.state.step}; nothing saved (checkpoint.interval 0), so the run "
+                                       f"cannot be resumed", trainer.stop_signal)
+    if result.preempted:
+        session.mark_preempted()
+    return result
 
 
 def cli(argv: list[str]) -> int:

@@ -1,6 +1,7 @@
 """The planner against the real thing: parameter/gradient/optimizer bytes against a dry run of the real
-parallelize function under a fake process group (exact), activation bytes against what autograd really saves on
-the CPU (exact up to LayerNorm statistics' dtype), and its refusals of layouts that don't divide."""
+parallelize function under a fake process group (exact), activation bytes kept for backward against what autograd
+really saves on the CPU (exact up to LayerNorm statistics' dtype, except selective checkpointing under autocast, which
+the planner overestimates by less than half), and its refusals of layouts that don't divide."""
 
 from __future__ import annotations
 
