@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,8 +77,9 @@ def _keep_metrics_until(path: Path, step: int) -> None:
 
 class Session:
     """One training process's run: `with Session() as s: trainer = s.start(cfg)`. On exit (also after an error) the
-    trainer's data and log are closed, the run dir's lock released, the process group shut down and the signal
-    handlers put back as they were; an error every rank raised is said once (by rank 0)."""
+    trainer's data and log are closed, the run dir's lock released, the process group shut down (when the session
+    started it), the torchrun agent no longer watched and the signal handlers put back as they were; an error every
+    rank raised is said once (by rank 0)."""
 
     def __init__(self):
         self.run: Run | None = None
@@ -85,7 +87,9 @@ class Session:
 
     def __enter__(self) -> "Session":
         self._handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-        self._agent = watch_agent(self._orphaned)
+        self._had_group = dist.is_initialized()  # (a caller's own process group is the caller's to destroy)
+        self._watching = threading.Event()
+        self._agent = watch_agent(self._orphaned, stop=self._watching)
         return self
 
     def _orphaned(self, why: str) -> None:
@@ -115,7 +119,9 @@ class Session:
             if self.run is not None and self.run.lock is not None:
                 self.run.lock.release()
             self.trainer = None  # the model (and the process groups its DTensors hold) go before the groups do
-            shutdown()
+            if not self._had_group:
+                shutdown()
+            self._watching.set()
             for sig, handler in self._handlers.items():
                 signal.signal(sig, handler)
         return False

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import os
 import threading
-import time
 from datetime import timedelta
 from dataclasses import dataclass
 
@@ -204,20 +203,23 @@ def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
     return r.get_local_rank() * s.size() + s.get_local_rank(), r.size() * s.size()
 
 
-def watch_agent(on_gone, interval: float = 0.5) -> int | None:
+def watch_agent(on_gone, interval: float = 0.5, stop: threading.Event | None = None) -> int | None:
     """Under torchrun (TORCHELASTIC_RUN_ID set), call on_gone(why) from a daemon thread once the agent that started
     this worker is gone: torchrun starts each worker in a session of its own, so an agent killed with SIGKILL (the
     OOM killer, a scheduler's hard kill) leaves its workers running, and training into the run dir beside the run a
     restart starts. The agent's death shows as this process being re-parented. Returns the agent's pid (None when
     not under torchrun): a collective that fails because a sibling worker already left for this reason is the same
-    event, and the caller asks agent_gone(agent) before reporting it as an error."""
+    event, and the caller asks agent_gone(agent) before reporting it as an error. Setting `stop` ends the watch."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
     agent = os.getppid()
 
+    stop = stop or threading.Event()
+
     def watch():
         while (why := agent_gone(agent)) is None:
-            time.sleep(interval)
+            if stop.wait(interval):
+                return
         on_gone(why)
 
     threading.Thread(target=watch, name="hybridpar-agent-watch", daemon=True).start()
