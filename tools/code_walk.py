@@ -6,10 +6,11 @@ process), by tracing function calls in hybridpar/, models/ and launch/.
 Two figures, each with the files behind it:
 - the step path: the files whose functions run during one optimizer step (the second, Trainer.train_step, after
   start-up and the first step's one-off work), and their lines;
-- the walk of the config from launch/pretrain_gpt.py's main: every call that receives the config or a part of it
-  (a Config, one of its sections, or the resolved Run) as an argument, in call order. A room is a file; a stay is a
-  run of such calls in one file (the next call in another file starts the next stay); a climb is a stay in a room
-  the walk has already left (coming back up to a file it was in before).
+- the walk of the config from launch/pretrain_gpt.py's main: every call site that hands the config or a part of it
+  (a Config, one of its sections, or the resolved Run) to a function, in the order first taken, each site once (a
+  loop's or a step's repeats are one). A room is a file (of the function called); a stay is a run of such calls
+  into one file (the next call into another file starts the next stay); a climb is a stay in a room the walk has
+  already left (coming back to a file it was in before).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def main() -> int:
              str(ROOT / "launch") + "/")
 
     calls: list[str] = []  # the file of each call that receives the config or a part of it
+    seen: set[tuple] = set()
     step_files: set[str] = set()
     in_step = {"on": False, "n": 0}
 
@@ -66,7 +68,9 @@ def main() -> int:
         if in_step["on"]:
             step_files.add(code.co_filename)
         names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
-        if any(n != "self" and carries_config(frame.f_locals.get(n)) for n in names):
+        site = (frame.f_back.f_code.co_filename, frame.f_back.f_lineno, code.co_filename, code.co_name)
+        if site not in seen and any(n != "self" and carries_config(frame.f_locals.get(n)) for n in names):
+            seen.add(site)  # each call site once: a loop's or a step's repeats are one stay of the walk
             calls.append(code.co_filename)
 
     train_step = hybridpar.trainer.Trainer.train_step
