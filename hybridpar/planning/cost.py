@@ -261,7 +261,8 @@ def _hidden(m: ModelConfig, layout: Layout, rank: int) -> list[tuple[tuple[int, 
     """(global shape, local elements) of each of Muon's matrices, in the model's order."""
     from hybridpar.training.muon import HIDDEN_MATRIX
 
-    return [(s.shape, numel(local_shape(s, layout, rank))) for s in param_specs(m) if HIDDEN_MATRIX.fullmatch(s.name)]
+    return [(spec.shape, numel(local_shape(spec, layout, rank))) for spec in param_specs(m)
+            if HIDDEN_MATRIX.fullmatch(spec.name)]
 
 
 def optimizer_bytes(cfg: Config, layout: Layout, rank: int = 0) -> int:
@@ -324,7 +325,7 @@ def all_gather_bytes(cfg: Config, layout: Layout) -> int:
     tp_only = Layout(1, 1, layout.tp)
     fp8 = sum(held for _, held in _hidden(m, tp_only, 0))
     if t.fp8_linears == "all":
-        fp8 += sum(numel(local_shape(s, tp_only, 0)) for s in param_specs(m) if s.name == "lm_head.weight")
+        fp8 += sum(numel(local_shape(spec, tp_only, 0)) for spec in param_specs(m) if spec.name == "lm_head.weight")
     return fp8 + (params_tp - fp8) * a
 
 
@@ -335,7 +336,8 @@ def root_gather_bytes(cfg: Config, layout: Layout) -> int:
     root = local_param_count(cfg.model, tp_only, part="root")[0]
     t, a = cfg.train, _compute_bytes(cfg.train.precision)
     if t.fp8 == "tensorwise" and t.fp8_all_gather and t.fp8_linears == "all":
-        head = sum(numel(local_shape(s, tp_only, 0)) for s in param_specs(cfg.model) if s.name == "lm_head.weight")
+        head = sum(numel(local_shape(spec, tp_only, 0)) for spec in param_specs(cfg.model)
+               if spec.name == "lm_head.weight")
         return root * a - (a - 1) * head
     return root * a
 
