@@ -100,7 +100,7 @@ def config(row: Row) -> Config:
 
 def published_memory(cfg: Config, row: Row) -> dict[str, int]:
     """Bytes per GPU of a published row under its own recipe (the module's docstring), by part."""
-    layout, plan = Layout(1, row.dp_shard, row.tp), memory(cfg, Layout(1, row.dp_shard, row.tp))
+    plan = memory(cfg, Layout(1, row.dp_shard, row.tp))
     m, tokens = cfg.model, row.micro * SEQ
     embedding = m.vocab_size * m.d_model
     # replicated across TP ranks, sharded by FSDP: the (tp - 1) / tp of it hybridpar's plan does not hold
