@@ -163,7 +163,7 @@ class Trainer:
         count the run dir recorded since that checkpoint). Returns the data settings that changed."""
         from hybridpar.checkpoint.resume_checks import stage_origin
 
-        saved, changes = self.checkpointer.load(path, self.model, self.optimizer, weights_only)
+        saved, changes = self.checkpointer.load(path, self.model, self.optimizer, self.position(), weights_only)
         if saved is None:
             return changes
         state = TrainState.of(saved)
@@ -344,12 +344,17 @@ class Trainer:
             return self.say(f"not saving a checkpoint at step {step}: the loss spike of step {self.spike[0]} is "
                             f"being rewound")
         ckpt = self.checkpointer
-        path = ckpt.save(step, self.model, self.optimizer, self.position(),
-                         self.log.wandb_id if self.log is not None else None)
-        self.copies.take(step, self.optimizer, self.position())
+        path, position = self._write(step)
+        self.copies.take(step, self.optimizer, position)
         self._last_saved = step
         self.say(f"{'started' if ckpt.async_save else 'saved'} checkpoint {path} (step loop blocked "
                  f"{ckpt.blocking_seconds[-1]:.2f}s)")
+
+    def _write(self, step: int):
+        """Checkpoint `step` of the model, optimizer and position as they are now: (its path, the position)."""
+        position = self.position()
+        return self.checkpointer.save(step, self.model, self.optimizer, position,
+                                      self.log.wandb_id if self.log is not None else None), position
 
     def _checkpoint_after_step(self) -> None:
         if self.checkpointer is None:
@@ -377,7 +382,8 @@ class Trainer:
         if step in self.copies.steps():
             self.state = TrainState.of(self.copies.restore(step, self.optimizer))
             return "host memory"
-        saved, _ = self.checkpointer.load(checkpoint_dir(self.run_dir, step), self.model, self.optimizer)
+        saved, _ = self.checkpointer.load(checkpoint_dir(self.run_dir, step), self.model, self.optimizer,
+                                          self.position())
         self.state = TrainState.of(saved)
         return "disk"
 
@@ -423,8 +429,7 @@ class Trainer:
         if self.rank == 0:
             write_skipped(self.run_dir, s.skip_windows, s.rewinds)
         if target not in [step_of(p) for p in list_checkpoints(self.run_dir)]:  # only in host memory: save it
-            self.checkpointer.save(target, self.model, self.optimizer, self.position(),
-                                   self.log.wandb_id if self.log is not None else None)
+            self._write(target)
         seconds = time.perf_counter() - start
         samples = sum(b - a + 1 for a, b in plan.skip) * self.cfg.train.global_batch_size
         self._log({"step": step, "rewind": rewinds, "rewind_to": target, "skipped_batches": windows_text(plan.skip),

@@ -214,11 +214,11 @@ class Checkpointer:
                 raise self._save_failed(path, e) from None
             self._complete(path, wandb_id)
 
-    def load(self, path: Path, model: nn.Module, optimizer, weights_only: bool = False) -> tuple[dict | None,
-                                                                                                  list[str]]:
+    def load(self, path: Path, model: nn.Module, optimizer, position_keys, weights_only: bool = False
+             ) -> tuple[dict | None, list[str]]:
         """Restore the model (and, unless weights_only, the optimizer) from checkpoint `path`, into whatever layout
-        they have. Returns the loop's saved position (ints, and tensors for the windows and histories; None with
-        weights_only) and the data settings that changed (allowed by checkpoint.allow_data_change); raises
+        they have. Returns the loop's saved position, the entries named in `position_keys` that the checkpoint
+        has (ints, and tensors for the windows and histories; None with weights_only) and the data settings that changed (allowed by checkpoint.allow_data_change); raises
         CheckpointError (nothing loaded) if they changed without it."""
         cfg = self.cfg
         check_model_config(path, cfg)
@@ -249,9 +249,9 @@ class Checkpointer:
             state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         else:
             state = {"model": plain_tensors(get_model_state_dict(model))}
-        if not weights_only:  # the position as saved (older checkpoints lack some fields)
-            state["trainer"] = {k.split(".", 1)[1]: _placeholder(v) for k, v in saved.items()
-                                if k.startswith("trainer.")}
+        if not weights_only:  # the position's keys (older checkpoints lack some fields; no others are read)
+            state["trainer"] = {k: _placeholder(saved[f"trainer.{k}"]) for k in [*position_keys, "data_key"]
+                                if f"trainer.{k}" in saved}
         _safe_load(state, path, SafeLoadPlanner(), metadata)
         if not with_optim:
             set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
