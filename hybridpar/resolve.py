@@ -298,6 +298,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         check_layout(cfg, (dp_replicate, dp_shard, tp), node)
         cfg = replace(cfg, train=replace(train, micro_batch_size=micro_batch_size_for(cfg, layout.dp)))
         accumulate = choose_accumulation(longest_stage(cfg, stages, layout.dp), layout, usable)  # 7
+        check_exact(cfg)
         cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=accumulate))
         if gpu is None and device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, now
             name = torch.cuda.get_device_name(device)
@@ -308,6 +309,21 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         raise
     return Run(cfg, world, device, layout, tokenizer, run_dir, load_from, MappingProxyType(dict(run_state)), lock,
                stages, choice)
+
+
+def check_exact(cfg: Config) -> None:
+    """parallel.exact_reduction's bound on the step's microbatches (hybridpar.parallel.exact)."""
+    from hybridpar.parallel.exact import MAX_MICROBATCHES
+
+    t, p = cfg.train, cfg.parallel
+    if p.exact_reduction and t.precision == "bf16" and p.dp_shard == 1 and p.dp_replicate > 1:
+        raise ConfigError("parallel.exact_reduction in bf16 needs parallel.dp_shard > 1 when dp_replicate > 1 (FSDP "
+                          "would add the replicas' gradients in float): shard instead, or train in fp32")
+    if p.exact_reduction and t.global_batch_size // t.micro_batch_size > MAX_MICROBATCHES:
+        raise ConfigError(f"parallel.exact_reduction sums at most {MAX_MICROBATCHES} microbatches a step; "
+                          f"train.global_batch_size={t.global_batch_size} / train.micro_batch_size="
+                          f"{t.micro_batch_size} makes {t.global_batch_size // t.micro_batch_size}: raise "
+                          f"train.micro_batch_size")
 
 
 def begin(cfg: Config, own_run_dir: bool = False, tokenizer=None) -> Run:

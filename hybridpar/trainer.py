@@ -38,8 +38,9 @@ from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary
 from hybridpar.models import count_params
 from hybridpar.parallel import autocast_for, start_notes
 from hybridpar.parallel.distributed import dp_rank_size, local_tensor, set_numerics
+from hybridpar.parallel.exact import ExactGradients
 from hybridpar.parallel.fp8 import fp8_scales
-from hybridpar.parallel.startup import build_parallel_model
+from hybridpar.parallel.startup import build_parallel_model, plain_name
 from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
 from hybridpar.resolve import Run
 from hybridpar.training.lr_schedule import lr_at
@@ -81,8 +82,10 @@ class StepNumerics:
             loss_context = nullcontext
             fused = t.loss_chunk_tokens and not (t.fp8 != "off" and t.fp8_linears == "all")  # (fp8 head: a module)
             forward_loss = partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if fused else logits_loss
+        # FSDP averages over dp; the loss wants the sum (parallel.exact_reduction's reduce-scatter sums itself)
+        fsdp_average = isinstance(model, FSDPModule) and not cfg.parallel.exact_reduction
         return cls(autocast_for(model, t.precision, device), forward_loss, loss_context,
-                   float(dp_size) if isinstance(model, FSDPModule) else 1.0, fp8_scales(model, cfg))
+                   float(dp_size) if fsdp_average else 1.0, fp8_scales(model, cfg))
 
 
 class Trainer:
@@ -112,6 +115,10 @@ class Trainer:
         ns_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
         self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
         self.numerics = StepNumerics.of(cfg, self.model, mesh["tp"].size(), self.dp_size, device)
+        self.exact = None
+        if cfg.parallel.exact_reduction:
+            names = {id(p): plain_name(n) for n, p in self.model.named_parameters()}
+            self.exact = ExactGradients(self.model, mesh, names)
         self.evaluator = Evaluator(cfg, self.model, mesh, device, self.tokenizer, self.numerics, self.data, tasks,
                                    self._dp_sum, self._poll_stop)
         self.checkpointer, self.copies = checkpointer, copies if copies is not None else HostCopies(0)
@@ -249,17 +256,28 @@ class Trainer:
         self.batch_crc32 = loader.crc32.pop(batch, None)
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
-        loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
-                                              forward_loss=n.forward_loss, grad_scale=n.grad_scale,
-                                              autocast=n.autocast, loss_context=n.loss_context,
-                                              stop_now=self._stop_mid_step,
-                                              accumulate_unsharded=cfg.parallel.accumulate_unsharded)
+        while True:
+            if self.exact is not None:
+                self.exact.begin(self.state.exact_bounds)
+            loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
+                                                  forward_loss=n.forward_loss, grad_scale=n.grad_scale,
+                                                  autocast=n.autocast, loss_context=n.loss_context,
+                                                  stop_now=self._stop_mid_step,
+                                                  accumulate_unsharded=cfg.parallel.accumulate_unsharded,
+                                                  exact=self.exact)
+            if self.exact is None:
+                break
+            done, self.state.exact_bounds = self.exact.finish()
+            if done:
+                break
+            torch.manual_seed(cfg.train.seed * 1_000_003 + step)  # the replay draws what the first pass drew
         local = None
         if cfg.spike.rerun != "off":  # this rank's own numbers, for a rerun to compare with
             shard_sq = sum((local_tensor(p.grad).float() ** 2).sum() for p in self.model.parameters()
                            if p.grad is not None)
             local = torch.stack([loss.detach().float().reshape(()), shard_sq])
-        grad_norm = clip_grad_norm(self.model, cfg.train.grad_clip).reshape(()).float()
+        grad_norm = clip_grad_norm(self.model, cfg.train.grad_clip,
+                                   self.exact.grad_norm if self.exact is not None else None).reshape(()).float()
         # (norm, stop vote, global loss when spikes are tested): read by read_status(), now or one step late
         parts = [grad_norm, self._stop_vote()]
         if cfg.train.spike != "off":

@@ -50,6 +50,10 @@ class ParallelConfig:
         "per tensor-parallel-local parameter in bf16, 8 in fp32); false reduce-scatters and reshards after every "
         "microbatch's backward (under HSDP the cross-replica all-reduce still runs once per step); auto = true "
         "where the planner says it fits the device's free memory")
+    exact_reduction: bool = doc(False, "sum gradients as integers on a grid every layout shares, so that the "
+                                       "parameters after every step are bitwise the same for any dp_replicate x "
+                                       "dp_shard (tp fixed): docs/parallelism.md#exact-reduction; reduce-scatters "
+                                       "every microbatch (accumulate_unsharded false), at most 1,024 microbatches")
     timeout_minutes: float = doc(10.0, "collective timeout: a rank that stops answering ends the job after this long")
     fsdp_cpu_offload: bool = doc(False, "keep sharded parameters, gradients and optimizer state in CPU memory "
                                         "(the optimizer step runs on the CPU); for models that do not fit otherwise")

@@ -148,6 +148,11 @@ def choose_accumulation(cfg: Config, layout: Layout, usable_bytes: int) -> bool:
     holding the unsharded model between microbatches fits `usable_bytes` (it always saves collectives: one
     reduce-scatter per step and no re-gather in forward), else false."""
     value = cfg.parallel.accumulate_unsharded
+    if cfg.parallel.exact_reduction:  # every microbatch is reduced on its own (hybridpar.parallel.exact)
+        if value is True:
+            raise ConfigError("parallel.exact_reduction reduces every microbatch on its own: leave "
+                              "parallel.accumulate_unsharded at auto or false")
+        return False
     if value != "auto":
         return bool(value)
     held = replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=True))

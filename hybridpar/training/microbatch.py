@@ -66,6 +66,7 @@ def forward_backward_no_pipelining(
     loss_context=nullcontext,
     stop_now: Callable[[], bool] = lambda: False,
     accumulate_unsharded: bool = True,
+    exact=None,
 ) -> torch.Tensor:
     """Forward and backward over this rank's microbatches of one global batch; gradients accumulate in .grad.
 
@@ -83,6 +84,9 @@ def forward_backward_no_pipelining(
         stop_now: asked after each microbatch but the last; True raises StopMidStep (the step is abandoned).
         accumulate_unsharded: with FSDP2, hold gathered parameters and unsharded gradients between microbatches
             (True) or reduce-scatter and reshard after each (False; HSDP's all-reduce still once per step).
+        exact: parallel.exact_reduction's state (hybridpar.parallel.exact.ExactGradients): every microbatch is
+            reduced on its own (FSDP's synchronisation flags left as the mode set them), and the gradients of
+            parameters outside FSDP go into its accumulator after each backward.
     Returns:
         This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
         ranks gives the global batch's mean loss). No host sync happens here.
@@ -91,7 +95,7 @@ def forward_backward_no_pipelining(
     n = len(microbatches)
     for i, (x, y) in enumerate(microbatches):
         last = i == n - 1
-        if hasattr(model, "set_requires_gradient_sync") and n > 1:  # FSDP2
+        if hasattr(model, "set_requires_gradient_sync") and n > 1 and exact is None:  # FSDP2
             if accumulate_unsharded:  # no reduce-scatter / all-reduce before the last, no re-gather in between
                 model.set_requires_gradient_sync(last)
                 model.set_reshard_after_backward(last)
@@ -102,6 +106,8 @@ def forward_backward_no_pipelining(
             with autocast():
                 loss = forward_loss(model, x, y) / num_global_tokens
             (loss * grad_scale).backward()
+        if exact is not None:
+            exact.absorb()
         loss = loss.detach()
         total += local_tensor(loss)  # a replicated DTensor under loss_parallel
         if not last and stop_now():

@@ -81,9 +81,10 @@ def peak_lr_ratio(group: dict, cfg: OptimConfig) -> float:
     return (cfg.muon_lr or cfg.lr) / cfg.lr if group.get("muon") else 1.0
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, norm_of=None) -> torch.Tensor:
     """Clip gradients to a global L2 norm of max_norm (0 = only measure); returns the norm before clipping, as a
-    plain tensor on the device (no host sync).
+    plain tensor on the device (no host sync). norm_of(model), when given, computes the norm instead
+    (parallel.exact_reduction's, which does not depend on the layout).
 
     Gradients are grouped by kind (plain tensors, and DTensors per mesh and placements); each group's norm is
     reduced across the mesh axes its gradients are sharded on (DTensor's full_tensor of a Partial norm), so every
@@ -96,6 +97,13 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
         if g is None:
             continue
         groups.setdefault(tensor_kind(g), []).append(g)
+    if norm_of is not None:
+        total = norm_of(model)
+        if max_norm > 0:
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for grads in groups.values():
+                torch._foreach_mul_(grads, coef)
+        return total
     squares = []
     # DTensor warns when a norm reduces over two mesh axes with two all-reduces. Every rank still gets the same value
     # (the first all-reduce leaves identical partial sums inside each group): noise for these norms, quieted here.

@@ -23,6 +23,9 @@ class TrainState:
     spike_history: list[tuple[float, float]] = field(default_factory=list)
     rewinds: int = 0
     lr_scale_until: int = 0
+    # parallel.exact_reduction: each parameter's largest |microbatch gradient| in the last step (sorted by name),
+    # which sets this step's integer grid (hybridpar.parallel.exact); None until a step measured them.
+    exact_bounds: list[float] | None = None
 
     def batch_for(self, step: int) -> int:
         """The 0-based global batch that 0-based step `step` trains: the step-th batch outside the skipped windows."""
@@ -32,7 +35,9 @@ class TrainState:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "skipped": self.skipped,
                 "skip_streak": self.skip_streak, "skip_windows": windows_tensor(self.skip_windows),
                 "spike_history": torch.tensor(self.spike_history, dtype=torch.float64).reshape(-1, 2),
-                "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until}
+                "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until,
+                **({} if self.exact_bounds is None
+                   else {"exact_bounds": torch.tensor(self.exact_bounds, dtype=torch.float64)})}
 
     def load_state_dict(self, saved: dict) -> None:
         """A checkpoint's record (ints or 0-d tensors; older checkpoints lack the spike fields and the streak)."""
@@ -42,6 +47,8 @@ class TrainState:
         self.skip_windows = windows_of(saved["skip_windows"]) if "skip_windows" in saved else []
         self.spike_history = [] if history is None else [tuple(r) for r in history.reshape(-1, 2).tolist()]
         self.rewinds, self.lr_scale_until = int(saved.get("rewinds", 0)), int(saved.get("lr_scale_until", 0))
+        bounds = saved.get("exact_bounds")
+        self.exact_bounds = None if bounds is None else bounds.reshape(-1).tolist()
 
     @classmethod
     def of(cls, saved: dict) -> "TrainState":
