@@ -281,7 +281,7 @@ class Trainer:
         # (norm, stop vote, global loss when spikes are tested): read by read_status(), now or one step late
         parts = [grad_norm, self._stop_vote()]
         if cfg.train.spike != "off":
-            parts.append(self._dp_sum(loss.detach().clone().float().reshape(())))
+            parts.append(self._dp_sum(loss.detach().clone().reshape(())).float())  # (exact mode: summed in float64)
         self.status.push(step + 1, torch.stack(parts), local)
         if self._device_skip:  # the fused kernel skips the whole update when found_inf is nonzero: no host read
             self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()

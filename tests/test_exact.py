@@ -1,5 +1,5 @@
-"""parallel.exact_reduction: the parameters after every step are bitwise the same (torch.equal) for every data-parallel
-degree at a fixed tp, with AdamW and with Muon."""
+"""parallel.exact_reduction: the parameters after every step, the step's loss and its gradient norm are bitwise the same
+(torch.equal) for every data-parallel degree at a fixed tp, with AdamW and with Muon."""
 
 from __future__ import annotations
 
@@ -38,10 +38,11 @@ def _worker(rank: int, world: int, init_file: str, cache_dir: str, layouts, resu
                 trainer = Trainer(run, init_mesh(run.layout.degrees, run.device))
                 steps = []
                 for step in range(STEPS):
-                    trainer.advance(step)
+                    loss, norm, _ = trainer.advance(step)
                     trainer.read_status()
                     weights = {plain_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                                for n, p in trainer.model.named_parameters()}
+                    weights["(loss)"], weights["(grad norm)"] = trainer._dp_sum(loss.clone()), norm.clone()
                     steps.append(weights)
                 trainer.data.close()
                 if rank == 0:

@@ -74,6 +74,9 @@ class _IntReduceScatter(ReduceScatter):
         return None
 
 
+LOSS_GRID = 2.0 ** -32  # a microbatch's loss share, rounded to it: any sum of such float64 values below 2^21 is exact
+
+
 class ExactGradients:
     """The mode for one model: a step's integer accumulators and the largest |microbatch gradient| seen. The grids'
     bounds (one per parameter, in sorted name order) belong to the training loop's state: begin() takes them, finish()
@@ -132,6 +135,12 @@ class ExactGradients:
         key = id(module)
         self.acc[key] = self.acc[key] + out if key in self.acc else out
         output.zero_()
+
+    @staticmethod
+    def on_loss_grid(share: torch.Tensor) -> torch.Tensor:
+        """A microbatch's loss share as float64 on LOSS_GRID: its sums over microbatches and ranks, in any order, are
+        exact (the logged loss and the spike test's are then the same on every layout)."""
+        return torch.round(share.detach().double() / LOSS_GRID) * LOSS_GRID
 
     def absorb(self) -> None:
         """After a microbatch's backward: the gradients of parameters outside FSDP into the accumulator."""

@@ -91,7 +91,7 @@ def forward_backward_no_pipelining(
         This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
         ranks gives the global batch's mean loss). No host sync happens here.
     """
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), device=device, dtype=torch.float64 if exact is not None else torch.float32)
     n = len(microbatches)
     for i, (x, y) in enumerate(microbatches):
         last = i == n - 1
@@ -109,7 +109,8 @@ def forward_backward_no_pipelining(
         if exact is not None:
             exact.absorb()
         loss = loss.detach()
-        total += local_tensor(loss)  # a replicated DTensor under loss_parallel
+        share = local_tensor(loss)  # a replicated DTensor under loss_parallel
+        total += share if exact is None else exact.on_loss_grid(share)
         if not last and stop_now():
             raise StopMidStep(i + 1, n)
     return total
