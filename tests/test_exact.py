@@ -66,3 +66,46 @@ def test_parameters_are_bitwise_equal_for_every_data_parallel_degree(tmp_path, c
                     assert differ == [], (optim, layout, step + 1, differ[:3])
             moved = [n for n in ref[0] if not __import__("torch").equal(ref[0][n], ref[-1][n])]
             assert moved, (optim, tp)  # (training changed the parameters)
+
+
+def _launch(n: int, cache_dir, run_dir, *extra):
+    """n ranks (torchrun, which sets OMP_NUM_THREADS=1 in each), or one process with one intra-op thread: a CPU
+    run's thread count sets the order of its matmuls' reductions, which no reduction mode can undo."""
+    from conftest import run_cli, user_env
+
+    args = [*ARGS, "--train.steps", "6", "--checkpoint.interval", "3", "--logging.interval", "1",
+            "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), *extra]
+    cmd = ["launch/pretrain_gpt.py", *args] if n == 1 else \
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "launch/pretrain_gpt.py", *args]
+    out = run_cli(cmd, env={**user_env(), "OMP_NUM_THREADS": "1"}) if n == 1 else run_cli(cmd)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_run_on_4_ranks_resumes_bitwise_on_2_and_on_1(tmp_path, cache_dir):
+    """The uninterrupted run on 4 data-parallel ranks; its checkpoint of step 3 (what a kill after it leaves)
+    resumed on 2 ranks and on 1: steps 4-6 log the same loss and gradient norm, bit for bit, and the step-6
+    checkpoints hold the same tensors."""
+    import shutil
+
+    import torch
+
+    from conftest import step_rows
+    from hybridpar.checkpoint.dcp import load_full_model_state
+    from hybridpar.checkpoint.layout import checkpoint_dir
+
+    full = tmp_path / "full"
+    _launch(4, cache_dir, full, "--parallel.dp_shard", "4")
+    want = step_rows(full)
+    final = load_full_model_state(checkpoint_dir(full, 6))
+    for n in (2, 1):
+        run_dir = tmp_path / f"on{n}"
+        (run_dir / "checkpoints").mkdir(parents=True)
+        shutil.copytree(checkpoint_dir(full, 3), checkpoint_dir(run_dir, 3))
+        _launch(n, cache_dir, run_dir, "--parallel.dp_shard", str(n))
+        got = step_rows(run_dir)
+        assert sorted(got) == [4, 5, 6]
+        for step in (4, 5, 6):
+            assert (got[step]["loss"], got[step]["grad_norm"]) == (want[step]["loss"], want[step]["grad_norm"]), n
+        state = load_full_model_state(checkpoint_dir(run_dir, 6))
+        assert sorted(state) == sorted(final) and all(torch.equal(state[k], final[k]) for k in final), n
