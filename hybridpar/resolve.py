@@ -316,6 +316,13 @@ def check_exact(cfg: Config) -> None:
     from hybridpar.parallel.exact import MAX_MICROBATCHES
 
     t, p = cfg.train, cfg.parallel
+    if p.exact_reduction:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+            raise ConfigError(f"parallel.exact_reduction needs FSDP2's custom reduce-scatter, which torch "
+                              f"{torch.__version__} lacks (FSDPModule.set_custom_reduce_scatter; torch 2.13 has it): "
+                              f"install a newer torch, or set parallel.exact_reduction false")
     if p.exact_reduction and t.precision == "bf16" and p.dp_shard == 1 and p.dp_replicate > 1:
         raise ConfigError("parallel.exact_reduction in bf16 needs parallel.dp_shard > 1 when dp_replicate > 1 (FSDP "
                           "would add the replicas' gradients in float): shard instead, or train in fp32")

@@ -104,14 +104,15 @@ class ExactGradients:
         self.bounds = None if bounds is None else dict(zip(self.order, bounds))
         self.acc: dict[int, torch.Tensor] = {}
         self.seen: dict[str, torch.Tensor] = {}
-        self.nonfinite = False
+        self.nonfinite = torch.zeros((), dtype=torch.bool)  # on the gradients' device once one is seen
 
     def _note(self, name: str, g: torch.Tensor) -> None:
         """`g` (this rank's part of a microbatch gradient) into the largest |term| seen of parameter `name`."""
         g = local_tensor(g).detach()
         m = g.abs().amax().double() if g.numel() else torch.zeros((), dtype=torch.float64, device=g.device)
         self.seen[name] = torch.maximum(self.seen[name], m) if name in self.seen else m
-        self.nonfinite = self.nonfinite or not bool(torch.isfinite(g).all())
+        # (amax carries a NaN or an inf along: a device flag, no host read per parameter)
+        self.nonfinite = (self.nonfinite.to(m.device) | ~torch.isfinite(m))
 
     def _quantum(self, name: str) -> float:
         return quantum_of(self.bounds[name]) if self.bounds is not None else 1.0
@@ -165,7 +166,7 @@ class ExactGradients:
         names = self.order
         seen = torch.stack([self.seen[n].cpu() if n in self.seen else torch.zeros((), dtype=torch.float64)
                             for n in names])
-        flags = torch.tensor([float(self.nonfinite)], dtype=torch.float64)
+        flags = self.nonfinite.reshape(1).double().cpu()
         both = torch.cat([seen, flags])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(both, op=dist.ReduceOp.MAX)  # exact: a MAX does not round
