@@ -202,7 +202,11 @@ class Muon(torch.optim.Optimizer):
         block of each parameter (one all-gather, once)."""
         if ranks not in self._groups:
             mine = None
-            for group_ranks in _all_groups(params[0]):
+            # new_group is collective over the world, and p's mesh may be a part of it (tp alone beside data
+            # replicas, parallel.exact_reduction's plain data parallelism): every rank creates every rank's groups.
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, _all_groups(params[0]))
+            for group_ranks in sorted({g for groups in every for g in groups}):
                 pg = dist.new_group(list(group_ranks))
                 if group_ranks == ranks:
                     mine = pg
