@@ -36,8 +36,7 @@ class TrainState:
                 "skip_streak": self.skip_streak, "skip_windows": windows_tensor(self.skip_windows),
                 "spike_history": torch.tensor(self.spike_history, dtype=torch.float64).reshape(-1, 2),
                 "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until,
-                **({} if self.exact_bounds is None
-                   else {"exact_bounds": torch.tensor(self.exact_bounds, dtype=torch.float64)})}
+                "exact_bounds": torch.tensor(self.exact_bounds or [], dtype=torch.float64)}
 
     def load_state_dict(self, saved: dict) -> None:
         """A checkpoint's record (ints or 0-d tensors; older checkpoints lack the spike fields and the streak)."""
@@ -48,7 +47,7 @@ class TrainState:
         self.spike_history = [] if history is None else [tuple(r) for r in history.reshape(-1, 2).tolist()]
         self.rewinds, self.lr_scale_until = int(saved.get("rewinds", 0)), int(saved.get("lr_scale_until", 0))
         bounds = saved.get("exact_bounds")
-        self.exact_bounds = None if bounds is None else bounds.reshape(-1).tolist()
+        self.exact_bounds = None if bounds is None or not bounds.numel() else bounds.reshape(-1).tolist()
 
     @classmethod
     def of(cls, saved: dict) -> "TrainState":
