@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from warm import Results, spawn
@@ -68,44 +70,98 @@ def test_parameters_are_bitwise_equal_for_every_data_parallel_degree(tmp_path, c
             assert moved, (optim, tp)  # (training changed the parameters)
 
 
-def _launch(n: int, cache_dir, run_dir, *extra):
-    """n ranks (torchrun, which sets OMP_NUM_THREADS=1 in each), or one process with one intra-op thread: a CPU
-    run's thread count sets the order of its matmuls' reductions, which no reduction mode can undo."""
-    from conftest import run_cli, user_env
+def _command(n: int, cache_dir, run_dir, *extra) -> tuple[list[str], dict]:
+    """n ranks sharding over dp (torchrun, which sets OMP_NUM_THREADS=1 in each), or one process with one intra-op
+    thread: a CPU run's thread count sets the order of its matmuls' reductions, which no reduction mode can undo."""
+    from conftest import user_env
 
-    args = [*ARGS, "--train.steps", "6", "--checkpoint.interval", "3", "--logging.interval", "1",
+    args = [*ARGS, "--checkpoint.interval", "3", "--logging.interval", "1", "--parallel.dp_shard", str(n),
             "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir), *extra]
     cmd = ["launch/pretrain_gpt.py", *args] if n == 1 else \
         ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "launch/pretrain_gpt.py", *args]
-    out = run_cli(cmd, env={**user_env(), "OMP_NUM_THREADS": "1"}) if n == 1 else run_cli(cmd)
+    return cmd, {**user_env(), "OMP_NUM_THREADS": "1"}
+
+
+def _launch(n: int, cache_dir, run_dir, *extra) -> None:
+    from conftest import run_cli
+
+    cmd, env = _command(n, cache_dir, run_dir, *extra)
+    out = run_cli(cmd, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
 
 
+def _start(n: int, cache_dir, run_dir, until, *extra):
+    """Start the run on n ranks and wait until `until(run_dir)` holds; returns the torchrun agent."""
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    cmd, env = _command(n, cache_dir, run_dir, *extra)
+    log = open(run_dir.parent / f"{run_dir.name}-{n}.log", "w")  # its console, for a failure's message
+    agent = subprocess.Popen([sys.executable, *cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    deadline = time.time() + 300
+    while not until(run_dir) and agent.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert agent.poll() is None, (run_dir.parent / f"{run_dir.name}-{n}.log").read_text()[-3000:]
+    return agent
+
+
 @pytest.mark.multiprocess
-def test_a_run_on_4_ranks_resumes_bitwise_on_2_and_on_1(tmp_path, cache_dir):
-    """The uninterrupted run on 4 data-parallel ranks; its checkpoint of step 3 (what a kill after it leaves)
-    resumed on 2 ranks and on 1: steps 4-6 log the same loss and gradient norm, bit for bit, and the step-6
-    checkpoints hold the same tensors."""
+def test_killed_on_4_ranks_resumed_on_2_then_preempted_and_requeued_on_1_is_bitwise_the_unbroken_run(tmp_path,
+                                                                                                     cache_dir):
+    """The unbroken run: 4 data-parallel ranks, 8 steps. The broken one: the same run killed (SIGKILL, agent and
+    workers at once) once its step-3 checkpoint is complete; resumed on 2 ranks in the same run dir; that job sent
+    SIGTERM (to its workers, as SLURM signals a job step's tasks) once it logged step 4, so it saves, writes
+    PREEMPTED and stops; requeued on 1 rank, which finishes. Every step's loss and gradient norm and the step-6
+    and step-8 checkpoints' tensors equal the unbroken run's bit for bit. The step-3 checkpoint resumed on 1 rank
+    directly gives the same steps too. (With the mode off, step 4 differs: the control run once, 2026-12-04.)"""
     import shutil
+    import signal
 
     import torch
 
-    from conftest import step_rows
+    from conftest import children, kill_job, step_rows
     from hybridpar.checkpoint.dcp import load_full_model_state
-    from hybridpar.checkpoint.layout import checkpoint_dir
+    from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint, step_of
 
+    extra = ["--train.steps", "8"]
     full = tmp_path / "full"
-    _launch(4, cache_dir, full, "--parallel.dp_shard", "4")
+    _launch(4, cache_dir, full, *extra)
     want = step_rows(full)
-    final = load_full_model_state(checkpoint_dir(full, 6))
-    for n in (2, 1):
-        run_dir = tmp_path / f"on{n}"
-        (run_dir / "checkpoints").mkdir(parents=True)
-        shutil.copytree(checkpoint_dir(full, 3), checkpoint_dir(run_dir, 3))
-        _launch(n, cache_dir, run_dir, "--parallel.dp_shard", str(n))
+    assert sorted(want) == list(range(1, 9))
+
+    def same(run_dir, steps):
         got = step_rows(run_dir)
-        assert sorted(got) == [4, 5, 6]
-        for step in (4, 5, 6):
-            assert (got[step]["loss"], got[step]["grad_norm"]) == (want[step]["loss"], want[step]["grad_norm"]), n
-        state = load_full_model_state(checkpoint_dir(run_dir, 6))
-        assert sorted(state) == sorted(final) and all(torch.equal(state[k], final[k]) for k in final), n
+        for step in steps:
+            assert (got[step]["loss"], got[step]["grad_norm"]) == (want[step]["loss"], want[step]["grad_norm"]), \
+                (run_dir.name, step)
+        for step in (6, 8):
+            if (checkpoint_dir(run_dir, step) / "COMPLETE").exists():
+                a, b = (load_full_model_state(checkpoint_dir(d, step)) for d in (run_dir, full))
+                assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b), (run_dir.name, step)
+
+    broken = tmp_path / "broken"
+    agent = _start(4, cache_dir, broken, lambda d: (checkpoint_dir(d, 3) / "COMPLETE").exists(), *extra)
+    kill_job(agent)
+    assert latest_checkpoint(broken) == checkpoint_dir(broken, 3)  # (killed before its step-6 save)
+    alone = tmp_path / "alone"
+    shutil.copytree(checkpoint_dir(broken, 3), checkpoint_dir(alone, 3))
+
+    logged = (broken / "metrics.jsonl").read_text().count('"step": 4,')  # (the killed run may have logged step 4)
+    agent = _start(2, cache_dir, broken, lambda d: (d / "metrics.jsonl").read_text().count('"step": 4,') > logged,
+                   *extra)
+    for pid in children(agent.pid):
+        os.kill(pid, signal.SIGTERM)
+    agent.wait(timeout=300)
+    assert (broken / "PREEMPTED").exists(), (tmp_path / "broken-2.log").read_text()[-3000:]
+    stopped = step_of(latest_checkpoint(broken))
+    assert 4 <= stopped < 8, stopped
+    _launch(1, cache_dir, broken, *extra)
+    same(broken, range(1, 9))
+    assert max(step_rows(broken)) == 8
+
+    _launch(1, cache_dir, alone, *extra)
+    same(alone, range(4, 9))
