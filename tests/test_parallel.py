@@ -388,7 +388,7 @@ def test_ranks_with_different_configs_stop_with_one_line_before_writing(tmp_path
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("unsharded", [True, False])
+@pytest.mark.parametrize("unsharded", [True, False, "exact"])
 def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unsharded, tmp_path, cache_dir):
     """parallel.accumulate_unsharded, end to end: the profiler trace of step 2 of a real 2-rank run (dp_shard 2,
     2 microbatches a rank) counts FSDP's collectives. By hand, for 3 FSDP modules (2 blocks resharded after forward,
@@ -396,7 +396,9 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
     forward and backward, microbatch 2's backward; the root once); false reduce-scatters after each microbatch (6)
     and gathers 4 + 4 + 2 = 10 times (every forward and backward of a block; the root each microbatch). The bytes
     the collectives moved (their tensors' sizes in the trace) are the planner's fsdp_gather_bytes and
-    fsdp_scatter_bytes for this layout, exactly."""
+    fsdp_scatter_bytes for this layout, exactly. parallel.exact_reduction ("exact") reduces as false does, each
+    microbatch's gradient as int64: the trace's reduce-scatter inputs are int64 and twice false's bytes, which the
+    planner also counts."""
     import collections
     import json
 
@@ -407,7 +409,9 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
     argv = ["--train.steps", "3", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
             "--train.seq_len", "32", "--model.n_layers", "2", "--train.eval_interval", "0",
             "--train.sample_tokens", "0", "--train.precision", "fp32", "--logging.wandb.mode", "disabled",
-            "--parallel.accumulate_unsharded", str(unsharded).lower(), "--profile.steps", "2-2",
+            "--profile.steps", "2-2",
+            *(["--parallel.exact_reduction", "true"] if unsharded == "exact" else
+              ["--parallel.accumulate_unsharded", str(unsharded).lower()]),
             "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)]
     out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py",
                    *argv])
@@ -421,12 +425,15 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
         reduces = sum(n for name, n in names.items() if name.startswith("FSDP::post_backward_reduce"))
         gathers = sum(n for name, n in names.items() if name == "FSDP::all_gather" or
                       name.startswith("FSDP::all_gather ("))
-        assert (reduces, gathers) == ((3, 7) if unsharded else (6, 10)), (trace.name, names)
+        assert (reduces, gathers) == ((3, 7) if unsharded is True else (6, 10)), (trace.name, names)
         events = json.loads(trace.read_text())["traceEvents"]
-        moved = collections.Counter()  # fp32 bytes: an all-gather's output (its first tensor), a reduce-scatter's input
+        moved = collections.Counter()  # bytes: an all-gather's output (its first tensor), a reduce-scatter's input
+        size = {"float": 4, "long int": 8}
         for e in events:
             if e.get("ph") == "X" and e["name"] in ("c10d::_allgather_base_", "c10d::_reduce_scatter_base_"):
-                dims = e["args"]["Input Dims"]
-                moved[e["name"]] += 4 * (dims[0][0] if "allgather" in e["name"] else dims[1][0])
+                dims, types = e["args"]["Input Dims"], e["args"]["Input type"]
+                i = 0 if "allgather" in e["name"] else 1
+                assert types[i] == ("long int" if unsharded == "exact" and i == 1 else "float"), e
+                moved[e["name"]] += size[types[i]] * dims[i][0]
         assert (moved["c10d::_allgather_base_"], moved["c10d::_reduce_scatter_base_"]) == (
             plan["fsdp_gather_bytes"], plan["fsdp_scatter_bytes"]), (moved, plan)

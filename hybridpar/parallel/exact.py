@@ -125,12 +125,12 @@ class ExactGradients:
         if sum(sizes) != rows.shape[1]:
             raise RuntimeError("parallel.exact_reduction: an FSDP module reduced a gradient for only some of its "
                                "parameters; every parameter must take part in every step")
-        quanta = []
-        for fp, n, part in zip(params, sizes, rows.split(sizes, dim=1)):
+        q = torch.empty(rows.shape, dtype=torch.int64, device=flat.device)
+        for fp, part, into in zip(params, rows.split(sizes, dim=1), q.split(sizes, dim=1)):
             name = self.names[id(fp.sharded_param)]
             self._note(name, part)
-            quanta.append(torch.full((n,), self._quantum(name), dtype=torch.float64, device=flat.device))
-        q = _quantize(rows, torch.cat(quanta)).reshape(-1)
+            into.copy_(_quantize(part, self._quantum(name)))  # (one parameter's float64 at a time)
+        q = q.reshape(-1)
         out = torch.empty(rows.shape[1], dtype=torch.int64, device=flat.device)
         dist.reduce_scatter_tensor(out, q, group=group)
         key = id(module)

@@ -200,8 +200,11 @@ def accumulation_bytes(cfg: Config, layout: Layout, rank: int = 0) -> int:
     Unsharded accumulation: every FSDP group's gathered parameters (compute dtype) and unsharded gradients (fp32,
     FSDP's reduce dtype), i.e. (2 + 4) bytes per tensor-parallel-local parameter in bf16 and (4 + 4) in fp32.
     Otherwise: the sharded fp32 gradients the microbatches accumulate into (under HSDP, FSDP's partial
-    reduce-scatter output of the same size), which the plan counts as grads_bytes_per_gpu."""
+    reduce-scatter output of the same size), which the plan counts as grads_bytes_per_gpu. parallel.exact_reduction
+    adds its int64 accumulator of the sharded gradients: (8 + 4) bytes per local parameter."""
     numel = local_param_count(cfg.model, layout, rank)[0]
+    if cfg.parallel.exact_reduction:  # the int64 accumulator beside the (zero) fp32 gradients FSDP keeps
+        return (8 + 4) * numel
     if not accumulates_unsharded(cfg, layout):
         return 4 * numel
     tp_local = local_param_count(cfg.model, Layout(1, 1, layout.tp), rank)[0]
@@ -212,7 +215,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     """Bytes per GPU of one rank, by part. Parameters are kept in fp32 (bf16 is a compute dtype), gradients in
     fp32 with the parameters' local shapes, AdamW state = two fp32 tensors per parameter + a 4-byte step count.
     Unsharded gradient accumulation adds the whole tensor-parallel-local model's gathered parameters and fp32
-    gradients (accumulation_bytes_per_gpu; 0 otherwise)."""
+    gradients (accumulation_bytes_per_gpu; 0 otherwise; parallel.exact_reduction's int64 accumulator there)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     params = 4 * local_param_count(m, layout, rank)[0]
     fsdp = uses_fsdp(cfg, layout.dp)
@@ -238,6 +241,8 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
         # ranks keeps every block's 1/N piece from its forward to its backward
         kept = 0 if isinstance(reshard, bool) else m.n_layers * math.ceil(block / reshard)
         buffers = pb * (held * block + root + kept) + pb * block + (4 * block if bf16 else 0)
+        if p.exact_reduction:  # a block's reduce-scatter input quantized to int64
+            buffers += 8 * block
     out = {
         "params_bytes_per_gpu": params,
         "grads_bytes_per_gpu": params,
@@ -246,7 +251,9 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
         "activations": acts,
         "logits_bytes_per_gpu": logits_bytes(m, tokens, layout.tp, t.precision or "fp32", t.loss_chunk_tokens),
         "fsdp_buffers_bytes_per_gpu": buffers,
-        "accumulation_bytes_per_gpu": between if accumulates_unsharded(cfg, layout) else 0,
+        # (parallel.exact_reduction: its int64 accumulator, beside the gradients FSDP keeps)
+        "accumulation_bytes_per_gpu": between if accumulates_unsharded(cfg, layout) else
+        8 * local_param_count(m, layout, rank)[0] if p.exact_reduction else 0,
         "between_microbatches_bytes_per_gpu": between,
     }
     on_gpu = ["activations_bytes_per_gpu", "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu",
@@ -357,7 +364,9 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
       with full_shard) and reduce-scatters; the root (embeddings, final norm, LM head), kept gathered from forward
       to backward, is gathered once a step or once a microbatch (fsdp_gather_bytes, fsdp_scatter_bytes: the
       step's totals, full-tensor sizes, as measured on ranks in tests/test_parallel.py); with HSDP one fp32
-      all-reduce of the gradient shards across replicas;
+      all-reduce of the gradient shards across replicas; parallel.exact_reduction reduce-scatters every
+      microbatch and all-reduces across replicas in int64 (8 bytes an element; its per-step MAX of one float64 per
+      parameter tensor and the grad norm's few scalars are not counted);
       over NVLink when the group fits in a node, else the per-GPU inter-node link; FSDP_EXPOSED_SHARE of it is not
       hidden by compute (all of what exceeds compute).
     fp8 (train.fp8): the converted linears' FLOPs (the blocks', and the LM head's with fp8_linears=all) at the
@@ -411,14 +420,15 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
             gathers, root_gathers, scatters = 1 + (n_micro if reshard is True else 0), 1, 1
         else:
             gathers, root_gathers, scatters = n_micro * (2 if reshard is True else 1), n_micro, n_micro
-        gather_bytes, scatter_bytes = gathers * blocks + root_gathers * root, scatters * params_tp * 4
+        grad_bytes = 8 if p.exact_reduction else 4  # (the mode reduces int64: hybridpar.parallel.exact)
+        gather_bytes, scatter_bytes = gathers * blocks + root_gathers * root, scatters * params_tp * grad_bytes
         fsdp = _ring(gather_bytes, layout.dp_shard, shard_bw) + _ring(scatter_bytes, layout.dp_shard, shard_bw)
         if not isinstance(reshard, bool):  # backward's all-gathers of the blocks within groups of N ranks
             group_bw = gpu.nvlink_gbps if reshard * layout.tp <= gpus_per_node else gpu.internode_gbps
             fsdp += n_micro * _ring(blocks, reshard, group_bw)
             gathers += n_micro
         rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
-        hsdp = _ring(params_tp * 4 / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
+        hsdp = _ring(params_tp * grad_bytes / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
         exposed = exposed_fsdp(fsdp + hsdp, compute)
     params_local = local_param_count(m, layout)[0]
     optimizer = 28 * params_local / (gpu.hbm_gbps * 1e9)
