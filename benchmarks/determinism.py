@@ -98,7 +98,7 @@ def sensitivity(_args) -> int:
 
     def loss(xs=x, ys=y, parts=1):
         step = xs.shape[0] // parts
-        return float(sum(trainer.forward_loss(model, xs[i:i + step], ys[i:i + step]) for i in range(0, len(xs), step))
+        return float(sum(trainer.numerics.forward_loss(model, xs[i:i + step], ys[i:i + step]) for i in range(0, len(xs), step))
                      / (ys != -100).sum())
 
     with torch.no_grad():
