@@ -165,3 +165,82 @@ def test_killed_on_4_ranks_resumed_on_2_then_preempted_and_requeued_on_1_is_bitw
 
     _launch(1, cache_dir, alone, *extra)
     same(alone, range(4, 9))
+
+
+def test_the_grid_sums_exactly_replays_a_step_that_outgrew_it_and_passes_a_nan_on():
+    """ExactGradients on one process, a plain two-parameter model (no FSDP: the path after each backward). Three
+    microbatches whose gradients are set by hand: the written gradient is the float64 sum of the terms rounded once
+    to float32 (terms here are multiples of the grid, so the sum is exact), whatever their order; a step whose terms
+    pass 256 x the previous bound is replayed on what it measured; a NaN term gives NaN gradients and keeps the
+    bounds."""
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridpar.parallel.distributed import MESH_AXES
+    from hybridpar.parallel.exact import ExactGradients, quantum_of
+
+    model = nn.Linear(3, 2)
+    names = {id(model.weight): "w", id(model.bias): "b"}
+    gen = torch.Generator().manual_seed(0)
+    terms = [(torch.randn(2, 3, generator=gen), torch.randn(2, generator=gen) * 1e3) for _ in range(3)]
+    bounds = [max(float(b.abs().max()) for _, b in terms), max(float(w.abs().max()) for w, _ in terms)]  # b, w
+
+    def step(order, bounds, scale=1.0):
+        ex.begin(bounds)
+        for i in order:
+            model.weight.grad, model.bias.grad = terms[i][0] * scale, terms[i][1] * scale
+            ex.absorb()
+        return ex.finish()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ex = ExactGradients(model, init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=MESH_AXES), names)
+        assert step([0, 1, 2], None) == (False, bounds)  # no grid yet: measured, to be replayed
+        written = set()
+        for order in itertools.permutations(range(3)):
+            done, after = step(order, bounds)
+            assert done and after == bounds
+            written.add((tuple(model.weight.grad.flatten().tolist()), tuple(model.bias.grad.tolist())))
+            for p, k, name in ((model.weight, 0, "w"), (model.bias, 1, "b")):
+                q = quantum_of(bounds["bw".index(name)])
+                want = sum((torch.round(t[k].double() / q) * q for t in terms), torch.zeros(p.shape).double())
+                assert torch.equal(p.grad, want.float()), name
+                assert float((want - sum(t[k].double() for t in terms)).abs().max()) <= 1.5 * q  # 3 roundings
+        assert len(written) == 1  # every order, the same bits
+        grown, after = step([0, 1, 2], bounds, scale=600.0)  # past the grid (< 512 x the bound): measured anew
+        assert not grown and after == [max(float((t[k] * 600.0).abs().max()) for t in terms) for k in (1, 0)]
+        assert model.weight.grad is None and model.bias.grad is None
+        terms[1] = (terms[1][0].clone().fill_(float("nan")), terms[1][1])
+        done, after = step([0, 1, 2], bounds)
+        assert done and after == bounds and model.weight.grad.isnan().all() and model.bias.grad.isnan().all()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--train.precision", "bf16", "--parallel.dp_replicate", "4", "--parallel.dp_shard", "1"], 4,
+     "parallel.exact_reduction in bf16 needs parallel.dp_shard > 1 when dp_replicate > 1"),
+    (["--parallel.accumulate_unsharded", "true", "--parallel.dp_shard", "2", "--train.micro_batch_size", "4"], 2,
+     "parallel.exact_reduction reduces every microbatch on its own: leave parallel.accumulate_unsharded at auto or "
+     "false"),
+    (["--train.global_batch_size", "2048", "--train.micro_batch_size", "1"], 1,
+     "parallel.exact_reduction sums at most 1024 microbatches a step; train.global_batch_size=2048 / "
+     "train.micro_batch_size=1 makes 2048: raise train.micro_batch_size"),
+])
+def test_the_mode_refuses_what_it_cannot_sum_exactly(argv, world, message):
+    import torch
+
+    from hybridpar.config.cli import load_config
+    from hybridpar.errors import ConfigError
+    from hybridpar.parallel.distributed import WorldInfo
+    from hybridpar.resolve import resolve
+
+    cfg = load_config([*argv, "--parallel.exact_reduction", "true"])
+    with pytest.raises(ConfigError) as e:
+        resolve(cfg, WorldInfo(0, world, 0, world), torch.device("cpu"))
+    assert str(e.value).startswith(message), str(e.value)
+    resolve(load_config(argv), WorldInfo(0, world, 0, world), torch.device("cpu"))  # (the same without the mode)

@@ -97,6 +97,7 @@ class ExactGradients:
         covered = {id(fp.sharded_param) for _, params in self.modules for fp in params}
         self.plain = [p for p in model.parameters() if id(p) not in covered]
         self.replicate = mesh["dp_replicate"] if mesh["dp_replicate"].size() > 1 else None
+        self.device = local_tensor(next(model.parameters())).device
 
     # -- the step ---------------------------------------------------------------------------------------------
     def begin(self, bounds: list[float] | None) -> None:
@@ -104,7 +105,7 @@ class ExactGradients:
         self.bounds = None if bounds is None else dict(zip(self.order, bounds))
         self.acc: dict[int, torch.Tensor] = {}
         self.seen: dict[str, torch.Tensor] = {}
-        self.nonfinite = torch.zeros((), dtype=torch.bool)  # on the gradients' device once one is seen
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
 
     def _note(self, name: str, g: torch.Tensor) -> None:
         """`g` (this rank's part of a microbatch gradient) into the largest |term| seen of parameter `name`."""
@@ -112,7 +113,7 @@ class ExactGradients:
         m = g.abs().amax().double() if g.numel() else torch.zeros((), dtype=torch.float64, device=g.device)
         self.seen[name] = torch.maximum(self.seen[name], m) if name in self.seen else m
         # (amax carries a NaN or an inf along: a device flag, no host read per parameter)
-        self.nonfinite = (self.nonfinite.to(m.device) | ~torch.isfinite(m))
+        self.nonfinite = self.nonfinite | ~torch.isfinite(m).to(self.nonfinite.device)
 
     def _quantum(self, name: str) -> float:
         return quantum_of(self.bounds[name]) if self.bounds is not None else 1.0
@@ -163,13 +164,13 @@ class ExactGradients:
         """After the step's last microbatch: (False, the bounds this pass measured) when the step must be replayed
         on them (a term passed its grid; the gradients are cleared), else (True, the next step's bounds) with the
         gradients written (NaN where the step was not finite: it is then skipped, and the bounds stay)."""
-        names = self.order
-        seen = torch.stack([self.seen[n].cpu() if n in self.seen else torch.zeros((), dtype=torch.float64)
-                            for n in names])
-        flags = self.nonfinite.reshape(1).double().cpu()
-        both = torch.cat([seen, flags])
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        names, device = self.order, self.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        seen = torch.stack([self.seen[n].to(device) if n in self.seen else zero for n in names])
+        both = torch.cat([seen, self.nonfinite.to(device).reshape(1).double()])
+        if dist.is_initialized() and dist.get_world_size() > 1:  # (on the device: NCCL reduces no CPU tensor)
             dist.all_reduce(both, op=dist.ReduceOp.MAX)  # exact: a MAX does not round
+        both = both.cpu()  # the step's one host read of the mode
         seen, nonfinite = both[:-1].tolist(), bool(both[-1])
         over = self.bounds is None or any(s > cap_of(self.bounds[n]) for n, s in zip(names, seen))
         if over and not nonfinite:
@@ -217,34 +218,31 @@ class ExactGradients:
         k times over the world and divided by k, exactly."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         world = dist.get_world_size() if dist.is_initialized() else 1
-        device = grads[0].device if grads else torch.device("cpu")
-        head = torch.zeros(2, dtype=torch.float64)  # (largest |element|, element count of the whole model)
-        copies = []
+        device = self.device  # (every collective here runs on it: NCCL reduces no CPU tensor)
+        locals_, copies, count = [], [], 0.0
         for g in grads:
-            local = local_tensor(g).detach()
-            if local.numel():
-                head[0] = max(head[0], float(local.abs().max()))
+            locals_.append(local_tensor(g).detach())
             # (FSDP over a tensor-parallel dim shards with _StridedShard, which is_shard() does not count)
             shards = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements)
                                if pl.is_shard() or isinstance(pl, _StridedShard)) if hasattr(g, "placements") else 1
             copies.append(world // shards)
-            head[1] += local.numel() * shards / world  # (each element counted once over the world)
+            count += locals_[-1].numel() * shards / world  # (each element counted once over the world)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        top = torch.stack([t.abs().amax().double() if t.numel() else zero for t in locals_] or [zero]).amax()
+        count = torch.tensor([count], dtype=torch.float64, device=device)
+        top = top.reshape(1)
         if world > 1:
-            top = head[:1].clone()
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
-            count = head[1:].clone()
             dist.all_reduce(count)
-            head = torch.cat([top, count])
-        largest, n = float(head[0]), max(1, round(float(head[1])))
+        largest, n = float(top), max(1, round(float(count)))
         if not math.isfinite(largest):
             return torch.tensor(math.nan, device=device)
         _, e = math.frexp(largest * largest)  # largest^2 < 2^e
         grid = math.ldexp(1.0, e - 62 + math.ceil(math.log2(n)))
         kinds = sorted(set(copies))
-        sums = torch.zeros(len(kinds), dtype=torch.int64)
-        for g, k in zip(grads, copies):
-            squares = local_tensor(g).detach().double() ** 2
-            sums[kinds.index(k)] += int(torch.round(squares / grid).to(torch.int64).sum())
+        sums = torch.zeros(len(kinds), dtype=torch.int64, device=device)
+        for t, k in zip(locals_, copies):  # (int64 on the device: no host read per parameter)
+            sums[kinds.index(k)] += torch.round(t.double() ** 2 / grid).to(torch.int64).sum()
         if world > 1:
             dist.all_reduce(sums)  # int64: exact
         total = sum(int(s) // k for s, k in zip(sums.tolist(), kinds))
