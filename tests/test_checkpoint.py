@@ -86,7 +86,8 @@ def test_kill_9_and_resume_is_bitwise_exact(kill_point, reference, tmp_path, cac
     state = read_trainer_state(checkpoint_dir(run_dir, STEPS))
     history = state.pop("spike_history")  # the spike test's window (train.spike warn): each step's loss and norm
     assert state == {"step": STEPS, "consumed_samples": STEPS * 8, "skipped": 0, "skip_streak": 0,
-                     "skip_windows": [], "rewinds": 0, "lr_scale_until": 0}
+                     "skip_windows": [], "rewinds": 0, "lr_scale_until": 0,
+                     "exact_bounds": []}  # (parallel.exact_reduction's grids: none outside the mode)
     assert [h[0] for h in history] == [reference[1][s] for s in range(1, STEPS + 1)]  # (float64 of the fp32 loss)
     assert "note:" not in out.stdout  # same thread count: no warning about an inexact resume
     ref_rows, rows = step_rows(reference[0]), step_rows(run_dir)

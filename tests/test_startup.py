@@ -51,7 +51,8 @@ def _seed_checkpoint(tmp_path, cache_dir, name, layout=None):
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = checkpoint_dir(run_dir, 0)
     assert read_trainer_state(ckpt) == {"step": 0, "consumed_samples": 0, "skipped": 0, "skip_streak": 0,
-                                        "skip_windows": [], "spike_history": [], "rewinds": 0, "lr_scale_until": 0}
+                                        "skip_windows": [], "spike_history": [], "rewinds": 0, "lr_scale_until": 0,
+                                        "exact_bounds": []}
     return load_full_model_state(ckpt)
 
 

@@ -9,8 +9,9 @@ Layout of a run directory:
     <run.dir>/checkpoints/step_00000200/
         .metadata, __<rank>_0.distcp     DCP: {"model", "optim", "trainer": the loop's position (TrainState:
                                         step, consumed_samples, skipped, skip_streak, the skipped batches, the
-                                        spike test's window, rewinds, lr_scale_until; a staged run's
-                                        stage_origin) and data_key, the data settings' CRC-32
+                                        spike test's window, rewinds, lr_scale_until, exact_bounds
+                                        (parallel.exact_reduction's grids; empty outside it); a staged
+                                        run's stage_origin) and data_key, the data settings' CRC-32
                                         (resume_checks.data_key)}
         config.yaml, tokenizer.*        what sampling or resuming needs besides tensors
         run_state.json                  the W&B run id (a resumed run logs into the same W&B run), the
@@ -331,7 +332,8 @@ def load_model_weights(model: nn.Module, path: Path) -> None:
 
 def read_trainer_state(path: Path, with_data_key: bool = False, metadata=None) -> dict:
     """The trainer position saved in checkpoint `path`: step, consumed_samples, skipped, skip_streak, rewinds,
-    lr_scale_until as ints, skip_windows and spike_history as lists (the older fields only, in older checkpoints);
+    lr_scale_until as ints, skip_windows, spike_history and exact_bounds as lists (the older fields only, in older
+    checkpoints);
     with with_data_key also the data settings' key (resume_checks.data_key) where the checkpoint has one."""
     state: dict = {}
     _safe_load(state, path, SafeEmptyLoadPlanner(keys={"trainer"}), metadata, no_dist=True)
