@@ -1,0 +1,301 @@
+"""Provenance: which documents each step of a run trained on, and where a document's tokens were trained.
+
+Every training sample is a pure function of the data settings and its global position, so the questions are index
+arithmetic over what the run already built, never a replay of the run:
+
+- step S trained global batch b = TrainState.batch_for(S - 1) (the S-th batch outside the skipped windows: data.
+  skip_batches, spike rewinds), positions [b G, (b + 1) G), whatever the data-parallel layout;
+- position p is sample i of a megatron-core GPTDataset (a plain run's; in a blend, its dataset_index and
+  dataset_sample_index; with data.stages, stream s's n-th sample, hybridpar.data.stages, in pass n // per_pass);
+- sample i is read through the dataset's shuffle index, sample index and document index: documents of the
+  source's .idx and a token range of each (seq_len + 1 tokens: inputs and the targets one further).
+
+The reverse question (where was document d trained) runs the same maps backwards: the places of d in each document
+index (one a pass), the samples whose boundaries enclose them (a binary search of the sample index), their
+shuffled numbers (one pass over the shuffle index), then positions: a blend's by one pass over its dataset index, a
+staged stream's by a binary search over the batches' per-stream counts and one batch's draws, then steps. Nothing
+is cached beyond what the run built (megatron-core's index files in data.cache_dir, memory-mapped) and the staged
+sampler's per-batch counts, which this process computes once, as the run did at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from hybridpar.config.data import merge_windows
+from hybridpar.data.stages import draw_sources
+from hybridpar.errors import DataError
+
+
+@dataclass(frozen=True)
+class Part:
+    """Tokens [start, stop) of document `document` (its number in the source's .idx) in a sample."""
+    document: int
+    start: int
+    stop: int
+
+
+def sample_parts(ds, i: int) -> tuple[list[Part], int]:
+    """Sample i of megatron-core GPTDataset `ds`: the documents and token ranges it reads, in order, and how many
+    pad tokens end it (a sample past the split's last token)."""
+    j = int(ds.shuffle_index[i])
+    (k0, off0), (k1, off1) = ds.sample_index[j], ds.sample_index[j + 1]
+    extra = int(ds.config.add_extra_token_to_sequence)
+    lengths = ds.dataset.sequence_lengths
+    parts = []
+    for k in range(int(k0), int(k1) + 1):
+        doc = int(ds.document_index[k])
+        start = int(off0) if k == k0 else 0
+        stop = int(off1) + extra if k == k1 else int(lengths[doc])
+        parts.append(Part(doc, start, stop))
+    pad = ds.config.sequence_length + extra - sum(p.stop - p.start for p in parts)
+    return parts, pad
+
+
+def samples_with(ds, document: int) -> list[tuple[int, Part]]:
+    """The samples of GPTDataset `ds` that read `document`, as (sample number, the part of it they read), in
+    sample order."""
+    at = np.flatnonzero(np.asarray(ds.document_index) == document)  # one place an epoch
+    if not len(at):
+        return []
+    starts = np.asarray(ds.sample_index[:, 0])
+    n = len(ds.shuffle_index)
+    found: dict[int, Part] = {}
+    for k in at.tolist():
+        # samples j with starts[j] <= k <= starts[j + 1]: from the last one starting before k to the last starting at k
+        for j in range(max(0, int(np.searchsorted(starts, k, "left")) - 1), int(np.searchsorted(starts, k, "right"))):
+            if j < len(starts) - 1 and starts[j] <= k <= starts[j + 1]:
+                found[j] = None
+    if not found:
+        return []
+    shuffled = np.flatnonzero(np.isin(np.asarray(ds.shuffle_index[:n]), np.fromiter(found, np.int64)))
+    out = []
+    for i in shuffled.tolist():
+        parts, _ = sample_parts(ds, i)
+        out += [(i, p) for p in parts if p.document == document]
+    return out
+
+
+@dataclass
+class Ledger:
+    """The training samples of one run, by step and by document."""
+    samples: object  # the run's train Samples (hybridpar.data.gpt_data.PlainSamples or stages.StagedDataset)
+    global_batch: int
+    windows: list[tuple[int, int]]  # skipped batches, 1-based inclusive
+    steps: int  # the steps the run trained
+    sources: dict[str, str]  # a source's name in data.path / data.stages -> its prefix on disk
+    tokenizer: object = None  # the run's (find_text)
+
+    def name_of(self, prefix: str) -> str:
+        return next((n for n, p in self.sources.items() if p == prefix), prefix)
+
+    # -- steps and positions ------------------------------------------------------------------------------------
+    def batch_of(self, step: int) -> int:
+        """The 0-based global batch that 1-based step `step` trained."""
+        b = step - 1
+        for first, last in self.windows:
+            if first - 1 <= b:
+                b += last - first + 1
+        return b
+
+    def step_of(self, batch: int) -> int | None:
+        """The 1-based step that trained 0-based global batch `batch` (None: skipped, or past the run's steps)."""
+        skipped = 0
+        for first, last in self.windows:
+            if first - 1 <= batch <= last - 1:
+                return None
+            if last - 1 < batch:
+                skipped += last - first + 1
+        step = batch - skipped + 1
+        return step if step <= self.steps else None
+
+    # -- one position -----------------------------------------------------------------------------------------
+    def _locate(self, position: int) -> tuple[str, int | None, object, int]:
+        """(source prefix, pass (staged runs; None otherwise), its GPTDataset, sample number in it)."""
+        s = self.samples
+        sampler = getattr(s, "sampler", None)
+        if sampler is not None:  # data.stages
+            (stream,), (n,) = sampler.locate(range(position, position + 1))
+            passes = s.streams[int(stream)]
+            per_pass = len(passes[0])
+            return (self.sources[sampler.plan.streams[int(stream)][0]], int(n) // per_pass, passes[int(n) // per_pass],
+                    int(n) % per_pass)
+        ds = s.dataset
+        parts = getattr(ds, "datasets", None)
+        if parts is not None:  # a blend
+            part = parts[int(ds.dataset_index[position])]
+            return str(part.dataset_path), None, part, int(ds.dataset_sample_index[position])
+        return str(ds.dataset_path), None, ds, position
+
+    def sample(self, position: int) -> dict:
+        source, pass_, ds, i = self._locate(position)
+        parts, pad = sample_parts(ds, i)
+        row = {"position": position, "source": self.name_of(source), "documents": [[p.document, p.start, p.stop] for p in parts]}
+        if pass_ is not None:
+            row["pass"] = pass_ + 1
+        if pad:
+            row["pad"] = pad
+        return row
+
+    def step(self, step: int) -> list[dict]:
+        """Every sample of step `step`'s global batch, in global order (sample k of the batch: data-parallel rank
+        k // (G / dp) read it, whatever dp was then)."""
+        if not 1 <= step <= self.steps:
+            raise DataError(f"--step {step}: the run trained steps 1 to {self.steps}")
+        b = self.batch_of(step)
+        return [{"step": step, "batch": b + 1, "sample": k, **self.sample(b * self.global_batch + k)}
+                for k in range(self.global_batch)]
+
+    # -- one document -----------------------------------------------------------------------------------------
+    def document(self, source: str, document: int) -> list[dict]:
+        """Every trained step and sample whose tokens include document `document` of `source` (a name of data.path
+        or data.stages, or its prefix), with the token range each read; in step order."""
+        prefix = self.sources.get(source, source)
+        found = []  # (position, pass, part)
+        s = self.samples
+        sampler = getattr(s, "sampler", None)
+        if sampler is not None:
+            for stream, ((name, _), passes) in enumerate(zip(sampler.plan.streams, s.streams)):
+                if self.sources[name] != prefix:
+                    continue
+                per_pass = len(passes[0])
+                for e, ds in enumerate(passes):
+                    for i, part in samples_with(ds, document):
+                        found.append((self._position_in_stream(stream, e * per_pass + i), e + 1, part))
+        else:
+            ds = s.dataset
+            parts = getattr(ds, "datasets", None)
+            if parts is None:
+                if str(ds.dataset_path) == prefix:
+                    found = [(i, None, part) for i, part in samples_with(ds, document)]
+            else:
+                index, sample_index = np.asarray(ds.dataset_index), np.asarray(ds.dataset_sample_index)
+                for d, sub in enumerate(parts):
+                    if str(sub.dataset_path) != prefix:
+                        continue
+                    hits = samples_with(sub, document)
+                    where = {i: part for i, part in hits}
+                    mine = np.flatnonzero((index == d) & np.isin(sample_index, np.fromiter(where, np.int64)))
+                    found += [(int(p), None, where[int(sample_index[p])]) for p in mine]
+        if prefix not in self.sources.values():
+            raise DataError(f"--document {source}:{document}: the run reads no source of that name; its sources: "
+                            f"{', '.join(sorted(self.sources))}")
+        out = []
+        for position, pass_, part in sorted(found, key=lambda f: f[0]):
+            if position is None or position >= len(s):
+                continue
+            step = self.step_of(position // self.global_batch)
+            if step is None:
+                continue
+            row = {"step": step, "sample": position % self.global_batch, "position": position, "source": source,
+                   "document": document, "start": part.start, "stop": part.stop}
+            if pass_ is not None:
+                row["pass"] = pass_
+            out.append(row)
+        return out
+
+    def find_text(self, text: str, chunk: int = 1 << 24) -> tuple[str, int] | None:
+        """(source, document) of the first document of the run's sources whose text holds `text`: its tokens (the
+        first and last dropped, which depend on what surrounds them) looked up in each .bin, a chunk at a time, and
+        the document's decoded text checked."""
+        from hybridpar.data.indexed import IndexedTokens
+
+        ids = self.tokenizer.encode(text)
+        core = np.asarray(ids[1:-1] if len(ids) > 2 else ids)
+        if not len(core):
+            return None
+        for name, prefix in self.sources.items():
+            data = IndexedTokens(prefix)
+            tokens, starts = data.tokens, np.asarray(data.sequence_pointers) // data.dtype.itemsize
+            seen: set[int] = set()
+            for a in range(0, len(tokens), chunk):
+                window = np.asarray(tokens[a:a + chunk + len(core) - 1])
+                hits = np.flatnonzero(window[:len(window) - len(core) + 1] == core[0])
+                for k in range(1, len(core)):
+                    hits = hits[window[hits + k] == core[k]]
+                for at in (a + hits).tolist():
+                    doc = int(np.searchsorted(starts, at, "right")) - 1
+                    if doc not in seen and text in self.tokenizer.decode(data[doc].tolist()):
+                        return name, doc
+                    seen.add(doc)
+        return None
+
+    def _position_in_stream(self, stream: int, n: int) -> int | None:
+        """The global position of stream `stream`'s sample n (0-based): the batch by a binary search over the
+        per-batch counts, then that batch's draws."""
+        sampler, G = self.samples.sampler, self.global_batch
+        n_batches = len(self.samples) // G
+        lo, hi = sampler.origin_batch, n_batches  # counts_before(lo)[stream] <= n: find the last such batch
+        if sampler.counts_before(hi)[stream] <= n:
+            return None  # drawn by no batch the run's data covers
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if sampler.counts_before(mid)[stream] <= n:
+                lo = mid
+            else:
+                hi = mid
+        src = draw_sources(sampler.plan, np.arange(lo * G, (lo + 1) * G), sampler.seed)
+        k = n - int(sampler.counts_before(lo)[stream])
+        return lo * G + int(np.flatnonzero(src == stream)[k])
+
+
+def open_ledger(run_dir: Path) -> Ledger:
+    """The ledger of the run in `run_dir`: its config.yaml (the data settings), its latest checkpoint's position
+    (steps, skipped windows) and the windows its run dir recorded since, and the data built as training built it
+    (megatron-core's index caches in data.cache_dir; one process, no model, no GPU)."""
+    from hybridpar.checkpoint.dcp import read_trainer_state
+    from hybridpar.checkpoint.layout import latest_checkpoint
+    from hybridpar.checkpoint.rewind import read_skipped
+    from hybridpar.config.cli import load_config
+    from hybridpar.data.dataset import build_training_data, load_data_tokenizer, prepare_builtin
+    from hybridpar.data.stages import StagePlan
+    from hybridpar.errors import ConfigError
+    import torch
+    import torch.distributed as dist
+
+    run_dir = Path(run_dir)
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise ConfigError(f"{run_dir} holds no config.yaml: give the run directory of a hybridpar run (--run.dir)")
+    cfg = load_config(["--config", str(config)])
+    cfg = replace(cfg, train=replace(cfg.train, device="cpu", eval_interval=0))
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise ConfigError(f"{run_dir} holds no complete checkpoint: its steps are known from checkpoints only")
+    state = read_trainer_state(latest)
+    origin = state.get("stage_origin")
+    if origin is not None and int(origin[0]) > 0:
+        raise DataError(f"{run_dir} changed its data.stages on a resume at batch {int(origin[0]) + 1}: the batches "
+                        f"before it were drawn from other stages, which its config.yaml no longer holds")
+    windows, _ = read_skipped(run_dir)
+    windows = merge_windows([tuple(w) for w in state["skip_windows"]] + list(cfg.data.skip_windows) + windows)
+    if not dist.is_initialized():  # (megatron-core's blends ask for the rank)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    d, t = cfg.data, cfg.train
+    plan = StagePlan.parse(d.stages, t.global_batch_size, t.seq_len) if d.stages else None
+    tokenizer = load_data_tokenizer(d, plan)
+    run = _DataRun(cfg, tokenizer, plan, torch.device("cpu"))
+    data = build_training_data(run, 0, 1)
+    data.train.close()  # (only the dataset is read: no loader thread)
+    builtin = prepare_builtin(d, tokenizer)[0] if d.path == "builtin" or (plan and "builtin" in plan.sources) else None
+    names = plan.sources if plan is not None else [p for p in _blend_names(d.path)]
+    sources = {n: str(builtin) if n == "builtin" else n for n in names}
+    return Ledger(data.train.dataset, t.global_batch_size, windows, int(state["step"]), sources, tokenizer)
+
+
+@dataclass
+class _DataRun:
+    """What build_training_data reads of a resolved run."""
+    cfg: object
+    tokenizer: object
+    stages: object
+    device: object
+
+
+def _blend_names(path: str) -> list[str]:
+    from hybridpar.data.stages import parse_blend
+
+    return ["builtin"] if path == "builtin" else [p for _, p in parse_blend(path)]

@@ -1,0 +1,121 @@
+"""Which documents each step of a run trained on, and where a document was trained (docs/provenance.md).
+
+    python launch/provenance.py RUN --step S                 step S's samples: source, documents, token ranges
+    python launch/provenance.py RUN --document SOURCE:INDEX  every step and sample that read that document
+    python launch/provenance.py RUN --text "a snippet"       the same, for the document holding that text
+    python launch/provenance.py RUN --steps A-B --out F.jsonl   the ledger of steps A to B, one sample a line
+
+RUN is a run directory (--run.dir of the training command): its config.yaml, its latest checkpoint's position and
+its skipped batches are read; the data comes from data.cache_dir as the run built it. No model and no GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridpar.config.cli import parse_command
+from hybridpar.errors import CheckpointError, ConfigError, DataError
+from hybridpar.models.config import doc, doc_required
+
+
+@dataclass(frozen=True)
+class Options:
+    run: str = doc_required("the run directory")
+    step: int = doc(0, "list step STEP's samples")
+    steps: str = doc("", "A-B: the ledger of steps A to B (with --out)")
+    document: str = doc("", "SOURCE:INDEX: where document INDEX of source SOURCE (a name in data.path or "
+                            "data.stages, 'builtin' for the built-in corpus) was trained")
+    text: str = doc("", "where the document holding this text was trained (the text's tokens are looked up in "
+                        "the run's sources)")
+    out: str = doc("", "write the rows here as JSON lines instead of printing them (refuses an existing file)")
+
+
+def _steps(text: str) -> range:
+    a, sep, b = text.partition("-")
+    try:
+        first, last = int(a), int(b if sep else a)
+    except ValueError:
+        first = last = 0
+    if first < 1 or last < first:
+        raise ConfigError(f"--steps {text!r}: give A-B with 1 <= A <= B (e.g. --steps 1-100)")
+    return range(first, last + 1)
+
+
+def _document(text: str) -> tuple[str, int]:
+    source, sep, index = text.rpartition(":")
+    if not sep or not source or not index.isdigit():
+        raise ConfigError(f"--document {text!r}: give SOURCE:INDEX, e.g. --document builtin:120")
+    return source, int(index)
+
+
+def _show(rows: list[dict]) -> None:
+    for r in rows:
+        where = f"step {r['step']} sample {r['sample']} (position {r['position']})"
+        if "documents" in r:
+            docs = ", ".join(f"{d}[{a}:{b}]" for d, a, b in r["documents"])
+            extra = (f" pass {r['pass']}" if "pass" in r else "") + (f" + {r['pad']} pad" if "pad" in r else "")
+            print(f"{where}: {r['source']}{extra}: {docs}")
+        else:
+            print(f"{where}: {r['source']}:{r['document']}[{r['start']}:{r['stop']}]"
+                  + (f" (pass {r['pass']})" if "pass" in r else ""))
+
+
+def cli(argv: list[str]) -> int:
+    try:
+        parsed = parse_command(argv, Options, __doc__.split("\n\n")[0], "launch/provenance.py", positional="run")
+        if parsed is None:
+            return 0
+        a, _ = parsed
+        asked = [bool(a.step), bool(a.steps), bool(a.document), bool(a.text)]
+        if sum(asked) != 1:
+            raise ConfigError("give one of --step S, --steps A-B, --document SOURCE:INDEX or --text SNIPPET")
+        out = Path(a.out) if a.out else None
+        if out is not None and out.exists():
+            raise ConfigError(f"--out {a.out} exists; name a new file (nothing is overwritten)")
+        if a.steps and out is None:
+            raise ConfigError("--steps writes a ledger: give --out FILE.jsonl")
+        steps = _steps(a.steps) if a.steps else None
+        document = _document(a.document) if a.document else None
+        from hybridpar.data.provenance import open_ledger
+
+        ledger = open_ledger(Path(a.run))
+        if a.text:
+            found = ledger.find_text(a.text)
+            if found is None:
+                raise DataError(f"--text {a.text!r}: no document of the run's sources holds it")
+            document = found
+            print(f"--text is in {found[0]}:{found[1]}")
+        if steps is not None:
+            if steps.stop - 1 > ledger.steps:
+                raise ConfigError(f"--steps {a.steps}: the run trained steps 1 to {ledger.steps}")
+            rows = (row for s in steps for row in ledger.step(s))
+        elif document is not None:
+            rows = ledger.document(*document)
+        else:
+            rows = ledger.step(a.step)
+        if out is None:
+            rows = list(rows)
+            _show(rows)
+            if document is not None:
+                print(f"{len(rows)} sample(s) of {len({r['step'] for r in rows})} step(s) read {document[0]}:"
+                      f"{document[1]}")
+            return 0
+        tmp = out.with_name(f".{out.name}.tmp")
+        with open(tmp, "w") as f:
+            n = 0
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+                n += 1
+        tmp.replace(out)
+        print(f"wrote {n} rows to {out}")
+        return 0
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
