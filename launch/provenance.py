@@ -82,39 +82,49 @@ def cli(argv: list[str]) -> int:
         from hybridpar.data.provenance import open_ledger
 
         ledger = open_ledger(Path(a.run))
-        if a.text:
-            found = ledger.find_text(a.text)
-            if found is None:
-                raise DataError(f"--text {a.text!r}: no document of the run's sources holds it")
-            document = found
-            print(f"--text is in {found[0]}:{found[1]}")
-        if steps is not None:
-            if steps.stop - 1 > ledger.steps:
-                raise ConfigError(f"--steps {a.steps}: the run trained steps 1 to {ledger.steps}")
-            rows = (row for s in steps for row in ledger.step(s))
-        elif document is not None:
-            rows = ledger.document(*document)
-        else:
-            rows = ledger.step(a.step)
-        if out is None:
-            rows = list(rows)
-            _show(rows)
-            if document is not None:
-                print(f"{len(rows)} sample(s) of {len({r['step'] for r in rows})} step(s) read {document[0]}:"
-                      f"{document[1]}")
-            return 0
-        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            return _answer(ledger, a, steps, document, out)
+        finally:
+            ledger.close()
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _answer(ledger, a, steps, document, out) -> int:
+    """Print the rows asked for, or write them to `out` (a new file, whole or not at all)."""
+    if a.text:
+        found = ledger.find_text(a.text)
+        if found is None:
+            raise DataError(f"--text {a.text!r}: no document of the run's sources holds it")
+        document = found
+        print(f"--text is in {found[0]}:{found[1]}")
+    if steps is not None:
+        if steps.stop - 1 > ledger.steps:
+            raise ConfigError(f"--steps {a.steps}: the run trained steps 1 to {ledger.steps}")
+        rows = (row for s in steps for row in ledger.step(s))
+    elif document is not None:
+        rows = ledger.document(*document)
+    else:
+        rows = ledger.step(a.step)
+    if out is None:
+        rows = list(rows)
+        _show(rows)
+        if document is not None:
+            print(f"{len(rows)} sample(s) of {len({r['step'] for r in rows})} step(s) read {document[0]}:"
+                  f"{document[1]}")
+        return 0
+    tmp, n = out.with_name(f".{out.name}.tmp"), 0
+    try:
         with open(tmp, "w") as f:
-            n = 0
             for row in rows:
                 f.write(json.dumps(row) + "\n")
                 n += 1
         tmp.replace(out)
-        print(f"wrote {n} rows to {out}")
-        return 0
-    except (ConfigError, DataError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {n} rows to {out}")
+    return 0
 
 
 if __name__ == "__main__":

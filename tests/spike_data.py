@@ -15,24 +15,8 @@ import numpy as np
 from hybridpar.data.dataset import train_batches
 from hybridpar.data.gpt_data import build_gpt_datasets, open_blend
 from hybridpar.data.indexed import bin_path, idx_path
+from hybridpar.data.provenance import sample_parts
 from hybridpar.data.tokenizer import load_tokenizer
-
-
-def sample_spans(dataset, sample: int) -> list[tuple[int, int, int]]:
-    """(document, first token, end token) of each document part that train sample `sample` of a megatron-core
-    GPTDataset reads (seq_len + 1 tokens, across document boundaries)."""
-    dataset[sample]  # (loads its index files, which megatron-core maps lazily)
-    i = int(dataset.shuffle_index[sample])
-    (d0, o0), (d1, o1) = dataset.sample_index[i], dataset.sample_index[i + 1]
-    extra = dataset.config.add_extra_token_to_sequence
-    lengths = dataset.dataset.sequence_lengths
-    spans = []
-    for d in range(int(d0), int(d1) + 1):
-        doc = int(dataset.document_index[d])
-        begin = int(o0) if d == d0 else 0
-        end = int(o1) + extra if d == d1 else int(lengths[doc])
-        spans.append((doc, begin, min(end, int(lengths[doc]))))
-    return spans
 
 
 def poison_batches(cfg, batches: list[int], out_prefix: str, seed: int = 0) -> int:
@@ -54,7 +38,7 @@ def poison_batches(cfg, batches: list[int], out_prefix: str, seed: int = 0) -> i
     rng, replaced = np.random.default_rng(seed), 0
     for n in batches:
         for sample in range((n - 1) * t.global_batch_size, n * t.global_batch_size):
-            for doc, begin, end in sample_spans(train, sample):
+            for doc, begin, end in ((p.document, p.start, p.stop) for p in sample_parts(train, sample)[0]):
                 start = int(tokens.sequence_pointers[doc]) // tokens.dtype.itemsize
                 data[start + begin:start + end] = rng.integers(0, tokenizer.vocab_size, end - begin)
                 replaced += end - begin

@@ -20,10 +20,11 @@ sampler's per-batch counts, which this process computes once, as the run did at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
 from hybridpar.config.data import merge_windows
 from hybridpar.data.stages import draw_sources
@@ -41,6 +42,8 @@ class Part:
 def sample_parts(ds, i: int) -> tuple[list[Part], int]:
     """Sample i of megatron-core GPTDataset `ds`: the documents and token ranges it reads, in order, and how many
     pad tokens end it (a sample past the split's last token)."""
+    if ds.shuffle_index is None:
+        ds[0]  # (megatron-core maps its index files lazily, on the first read)
     j = int(ds.shuffle_index[i])
     (k0, off0), (k1, off1) = ds.sample_index[j], ds.sample_index[j + 1]
     extra = int(ds.config.add_extra_token_to_sequence)
@@ -49,7 +52,7 @@ def sample_parts(ds, i: int) -> tuple[list[Part], int]:
     for k in range(int(k0), int(k1) + 1):
         doc = int(ds.document_index[k])
         start = int(off0) if k == k0 else 0
-        stop = int(off1) + extra if k == k1 else int(lengths[doc])
+        stop = min(int(off1) + extra, int(lengths[doc])) if k == k1 else int(lengths[doc])
         parts.append(Part(doc, start, stop))
     pad = ds.config.sequence_length + extra - sum(p.stop - p.start for p in parts)
     return parts, pad
@@ -58,6 +61,8 @@ def sample_parts(ds, i: int) -> tuple[list[Part], int]:
 def samples_with(ds, document: int) -> list[tuple[int, Part]]:
     """The samples of GPTDataset `ds` that read `document`, as (sample number, the part of it they read), in
     sample order."""
+    if ds.shuffle_index is None:
+        ds[0]
     at = np.flatnonzero(np.asarray(ds.document_index) == document)  # one place an epoch
     if not len(at):
         return []
@@ -88,6 +93,15 @@ class Ledger:
     steps: int  # the steps the run trained
     sources: dict[str, str]  # a source's name in data.path / data.stages -> its prefix on disk
     tokenizer: object = None  # the run's (find_text)
+    aliases: dict[str, str] = field(default_factory=dict)  # a source's short name (its file name) -> its prefix
+    own_group: bool = False  # open_ledger started the process group: close() ends it
+
+    def close(self) -> None:
+        from hybridpar.data.gpt_data import release_index_readers
+
+        release_index_readers()
+        if self.own_group and dist.is_initialized():
+            dist.destroy_process_group()
 
     def name_of(self, prefix: str) -> str:
         return next((n for n, p in self.sources.items() if p == prefix), prefix)
@@ -153,7 +167,13 @@ class Ledger:
     def document(self, source: str, document: int) -> list[dict]:
         """Every trained step and sample whose tokens include document `document` of `source` (a name of data.path
         or data.stages, or its prefix), with the token range each read; in step order."""
-        prefix = self.sources.get(source, source)
+        prefix = self.sources.get(source) or self.aliases.get(source, source)
+        if prefix not in self.sources.values():
+            raise DataError(f"--document {source}:{document}: the run reads no source of that name; its sources: "
+                            f"{', '.join(sorted(self.sources))}")
+        lengths = _lengths(prefix)
+        if not 0 <= document < len(lengths):
+            raise DataError(f"--document {source}:{document}: {source} holds documents 0 to {len(lengths) - 1}")
         found = []  # (position, pass, part)
         s = self.samples
         sampler = getattr(s, "sampler", None)
@@ -180,12 +200,9 @@ class Ledger:
                     where = {i: part for i, part in hits}
                     mine = np.flatnonzero((index == d) & np.isin(sample_index, np.fromiter(where, np.int64)))
                     found += [(int(p), None, where[int(sample_index[p])]) for p in mine]
-        if prefix not in self.sources.values():
-            raise DataError(f"--document {source}:{document}: the run reads no source of that name; its sources: "
-                            f"{', '.join(sorted(self.sources))}")
         out = []
-        for position, pass_, part in sorted(found, key=lambda f: f[0]):
-            if position is None or position >= len(s):
+        for position, pass_, part in sorted((f for f in found if f[0] is not None), key=lambda f: f[0]):
+            if position >= len(s):
                 continue
             step = self.step_of(position // self.global_batch)
             if step is None:
@@ -254,7 +271,6 @@ def open_ledger(run_dir: Path) -> Ledger:
     from hybridpar.data.stages import StagePlan
     from hybridpar.errors import ConfigError
     import torch
-    import torch.distributed as dist
 
     run_dir = Path(run_dir)
     config = run_dir / "config.yaml"
@@ -272,18 +288,27 @@ def open_ledger(run_dir: Path) -> Ledger:
                         f"before it were drawn from other stages, which its config.yaml no longer holds")
     windows, _ = read_skipped(run_dir)
     windows = merge_windows([tuple(w) for w in state["skip_windows"]] + list(cfg.data.skip_windows) + windows)
-    if not dist.is_initialized():  # (megatron-core's blends ask for the rank)
+    own_group = not dist.is_initialized()
+    if own_group:  # (megatron-core's blends ask for the rank)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     d, t = cfg.data, cfg.train
-    plan = StagePlan.parse(d.stages, t.global_batch_size, t.seq_len) if d.stages else None
-    tokenizer = load_data_tokenizer(d, plan)
-    run = _DataRun(cfg, tokenizer, plan, torch.device("cpu"))
-    data = build_training_data(run, 0, 1)
-    data.train.close()  # (only the dataset is read: no loader thread)
+    try:
+        plan = StagePlan.parse(d.stages, t.global_batch_size, t.seq_len) if d.stages else None
+        tokenizer = load_data_tokenizer(d, plan)
+        data = build_training_data(_DataRun(cfg, tokenizer, plan, torch.device("cpu")), 0, 1)
+        data.train.close()  # (only the dataset is read: no loader thread)
+    except BaseException:
+        if own_group:
+            dist.destroy_process_group()
+        raise
     builtin = prepare_builtin(d, tokenizer)[0] if d.path == "builtin" or (plan and "builtin" in plan.sources) else None
+    from hybridpar.data.dataset import source_names
+
     names = plan.sources if plan is not None else [p for p in _blend_names(d.path)]
     sources = {n: str(builtin) if n == "builtin" else n for n in names}
-    return Ledger(data.train.dataset, t.global_batch_size, windows, int(state["step"]), sources, tokenizer)
+    aliases = {short: sources[n] for short, n in zip(source_names(names), names) if short not in sources}
+    return Ledger(data.train.dataset, t.global_batch_size, windows, int(state["step"]), sources, tokenizer, aliases,
+                  own_group)
 
 
 @dataclass
@@ -293,6 +318,12 @@ class _DataRun:
     tokenizer: object
     stages: object
     device: object
+
+
+def _lengths(prefix: str) -> np.ndarray:
+    from hybridpar.data.indexed import IndexedTokens
+
+    return IndexedTokens(prefix).sequence_lengths
 
 
 def _blend_names(path: str) -> list[str]:

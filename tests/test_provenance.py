@@ -1,0 +1,164 @@
+"""Provenance (hybridpar/data/provenance.py, launch/provenance.py) against what a run really fed its model: a staged
+run with a ramp and a source that wraps into further passes, on 2 data-parallel ranks with a gradient fault that a
+spike rewind skips batches for, killed (SIGKILL) after a checkpoint and resumed on 1 rank; every rank's inputs and
+targets at every step recorded by tests/feed_recorder.py. The ledger's documents and token ranges, read back from
+the sources' .bin files, give exactly the recorded ids; a document's steps equal a brute-force search of them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, kill_job, run_cli, user_env
+
+G, SEQ, STEPS = 8, 32, 16
+
+
+def _args(tmp, run_dir, web, code):
+    stages = f"0: {web},3 ramp 3: 0.5 {web} 0.5 {code},8: 0.25 {web} 0.75 {code}"
+    return ["--train.steps", str(STEPS), "--train.global_batch_size", str(G), "--train.seq_len", str(SEQ),
+            "--logging.interval", "1", "--train.eval_interval", "0", "--train.sample_tokens", "0",
+            "--train.eval_tasks", "", "--train.precision", "fp32", "--checkpoint.interval", "2",
+            "--checkpoint.keep_last", "20", "--logging.wandb.mode", "disabled", "--data.tokenizer", "bytes",
+            "--data.cache_dir", str(tmp / "cache"), "--run.dir", str(run_dir), "--data.stages", stages,
+            "--data.source_exhausted", "wrap", "--train.spike", "rewind", "--spike.window", "4", "--spike.skip", "2",
+            "--spike.grad_norm_zscore", "6", "--model.n_layers", "1"]
+
+
+def _fed(directory) -> dict[int, dict[int, tuple]]:
+    """step -> dp rank -> (dp size, x rows, y rows): each step's last record in this launch's files."""
+    out: dict[int, dict[int, tuple]] = {}
+    for path in sorted(directory.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            out.setdefault(r["step"], {})[r["dp_rank"]] = (r["dp_size"], r["x"], r["y"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    from hybridpar.checkpoint.layout import checkpoint_dir
+    from test_stages import _source_files
+
+    tmp = tmp_path_factory.mktemp("provenance")
+    web, code = _source_files(tmp, n_docs=(300, 12))  # code: ~40 samples a pass, read ~3 times over
+    run_dir = tmp / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "tests/feed_recorder.py", str(tmp / "fed-2"), "0,7,1000", *_args(tmp, run_dir, web, code)]
+    with open(tmp / "run-2.log", "w") as log:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=user_env(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while not (checkpoint_dir(run_dir, 12) / "COMPLETE").exists() and agent.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert agent.poll() is None, (tmp / "run-2.log").read_text()[-3000:]
+    kill_job(agent)
+    out = run_cli(["tests/feed_recorder.py", str(tmp / "fed-1"), "-", *_args(tmp, run_dir, web, code)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = _fed(tmp / "fed-2"), _fed(tmp / "fed-1")
+    fed = {s: second.get(s) or first[s] for s in range(1, STEPS + 1)}
+    log = (tmp / "run-2.log").read_text()
+    return tmp, run_dir, web, code, fed, log + out.stdout
+
+
+def _samples(fed_step) -> list[np.ndarray]:
+    """The step's G samples in global order, each as its seq_len + 1 tokens (inputs, then the last target)."""
+    out = []
+    for rank in sorted(fed_step):
+        size, x, y = fed_step[rank]
+        assert len(fed_step) == size
+        out += [np.array(a + b[-1:]) for a, b in zip(x, y)]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_ledger_gives_the_ids_every_rank_fed(recorded):
+    from hybridpar.data.indexed import IndexedTokens
+    from hybridpar.data.provenance import open_ledger
+
+    tmp, run_dir, web, code, fed, log = recorded
+    # the run went through what the test is about (said by the run itself)
+    assert "rewind 1/3: back to step 4" in log and "batches 6-7 (16 samples) skipped" in log, log[-3000:]
+    assert (len(fed[1]), len(fed[16])) == (2, 1)  # 2 ranks, then 1 after the kill
+    ledger = open_ledger(run_dir)
+    assert ledger.steps == STEPS and (6, 7) in ledger.windows
+    bins = {p: IndexedTokens(p) for p in (web, code)}
+    passes = set()
+    for step in range(1, STEPS + 1):
+        rows = ledger.step(step)
+        want = _samples(fed[step])
+        assert [r["sample"] for r in rows] == list(range(G))
+        for r, ids in zip(rows, want):
+            tokens = np.concatenate([bins[r["source"]][d][a:b] for d, a, b in r["documents"]])
+            assert np.array_equal(tokens, ids[:len(tokens)]) and len(ids) - len(tokens) == r.get("pad", 0), \
+                (step, r)
+            passes.add((r["source"], r["pass"]))
+    assert (code, 2) in passes  # the code source wrapped into its second pass
+
+
+@pytest.mark.multiprocess
+def test_a_documents_steps_are_a_brute_force_search_of_the_fed_ids(recorded):
+    from hybridpar.data.indexed import IndexedTokens
+    from hybridpar.data.provenance import open_ledger
+
+    tmp, run_dir, web, code, fed, _ = recorded
+    ledger = open_ledger(run_dir)
+    samples = {(s, k): ids for s in fed for k, ids in enumerate(_samples(fed[s]))}
+    for prefix, docs in ((code, range(12)), (web, range(0, 300, 37))):
+        data = IndexedTokens(prefix)
+        for d in docs:
+            doc = data[d]
+            # brute force: the (step, sample) whose ids hold a run of >= 4 of the document's tokens at its place
+            windows = {tuple(doc[i:i + 4]) for i in range(len(doc) - 3)}
+            want = {key for key, ids in samples.items() if any(tuple(ids[i:i + 4]) in windows
+                                                               for i in range(len(ids) - 3))}
+            rows = ledger.document(prefix, d)
+            got = {(r["step"], r["sample"]) for r in rows if r["stop"] - r["start"] >= 4}
+            assert got == want, (prefix, d)
+            for r in rows:  # and each range is what that sample holds
+                ids = samples[r["step"], r["sample"]]
+                part = doc[r["start"]:r["stop"]]
+                assert any(np.array_equal(ids[i:i + len(part)], part) for i in range(len(ids) - len(part) + 1))
+        assert any(ledger.document(prefix, d) for d in docs)
+
+
+@pytest.mark.multiprocess
+def test_the_command_prints_writes_and_refuses(recorded):
+    tmp, run_dir, web, code, fed, _ = recorded
+    out = run_cli(["launch/provenance.py", str(run_dir), "--step", "6"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == G and lines[0].startswith("step 6 sample 0 (position 56): ")  # batches 6-7 skipped
+    ledger = tmp / "ledger.jsonl"
+    out = run_cli(["launch/provenance.py", str(run_dir), "--steps", "1-16", "--out", str(ledger)])
+    assert out.returncode == 0 and out.stdout.strip() == f"wrote {STEPS * G} rows to {ledger}", out.stderr
+    rows = [json.loads(line) for line in ledger.read_text().splitlines()]
+    assert [(r["step"], r["sample"]) for r in rows] == [(s, k) for s in range(1, STEPS + 1) for k in range(G)]
+    out = run_cli(["launch/provenance.py", str(run_dir), "--document", "code:3"])
+    assert out.returncode == 0 and out.stdout.strip().endswith("read code:3"), out.stderr
+    from hybridpar.data.indexed import IndexedTokens
+
+    data = IndexedTokens(web)
+    d = next(d for d in range(37, 300) if len(data[d]) > 60)
+    snippet = bytes(data[d][10:40].tolist()).decode()  # (the bytes tokenizer: ids 1-127 are ASCII)
+    out = run_cli(["launch/provenance.py", str(run_dir), "--text", snippet])
+    assert out.returncode == 0 and out.stdout.startswith(f"--text is in {web}:{d}\n"), out.stderr
+    for argv, message in [
+        (["--steps", "1-16", "--out", str(ledger)], f"error: --out {ledger} exists; name a new file"),
+        (["--steps", "3-2", "--out", str(tmp / "x.jsonl")], "error: --steps '3-2': give A-B with 1 <= A <= B"),
+        (["--step", "17"], "error: --step 17: the run trained steps 1 to 16"),
+        (["--document", "code"], "error: --document 'code': give SOURCE:INDEX"),
+        (["--document", "docs:1"], "error: --document docs:1: the run reads no source of that name"),
+        (["--document", "code:12"], "error: --document code:12: code holds documents 0 to 11"),
+        (["--step", "1", "--document", "code:1"], "error: give one of --step S, --steps A-B"),
+    ]:
+        out = run_cli(["launch/provenance.py", str(run_dir), *argv])
+        assert out.returncode == 2 and out.stderr.startswith(message) and len(out.stderr.splitlines()) == 1, \
+            (argv, out.stderr)
+    assert not (tmp / "x.jsonl").exists()
+    out = run_cli(["launch/provenance.py", str(tmp), "--step", "1"])
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {tmp} holds no config.yaml"), out.stderr
