@@ -95,18 +95,24 @@ def _answer(ledger, a, steps, document, out) -> int:
     """Print the rows asked for, or write them to `out` (a new file, whole or not at all)."""
     if a.text:
         found = ledger.find_text(a.text)
-        if found is None:
+        if not found:
             raise DataError(f"--text {a.text!r}: no document of the run's sources holds it")
-        document = found
-        print(f"--text is in {found[0]}:{found[1]}")
-    if steps is not None:
+        print(f"--text is in {len(found)} document(s): {', '.join(f'{s}:{d}' for s, d in found)}")
+        if out is None:
+            for source, index in found:
+                rows = ledger.document(source, index)
+                _show(rows)
+                print(f"{len(rows)} sample(s) of {len({r['step'] for r in rows})} step(s) read {source}:{index}")
+            return 0
+        rows = (row for source, index in found for row in ledger.document(source, index))
+    elif steps is not None:
         if steps.stop - 1 > ledger.steps:
             raise ConfigError(f"--steps {a.steps}: the run trained steps 1 to {ledger.steps}")
         rows = (row for s in steps for row in ledger.step(s))
     elif document is not None:
         rows = ledger.document(*document)
     else:
-        rows = ledger.step(a.step)
+        rows = ledger.step(a.step)  # (a list: checked before anything is written)
     if out is None:
         rows = list(rows)
         _show(rows)

@@ -146,7 +146,7 @@ def test_the_command_prints_writes_and_refuses(recorded):
     d = next(d for d in range(37, 300) if len(data[d]) > 60)
     snippet = bytes(data[d][10:40].tolist()).decode()  # (the bytes tokenizer: ids 1-127 are ASCII)
     out = run_cli(["launch/provenance.py", str(run_dir), "--text", snippet])
-    assert out.returncode == 0 and out.stdout.startswith(f"--text is in {web}:{d}\n"), out.stderr
+    assert out.returncode == 0 and out.stdout.startswith(f"--text is in 1 document(s): {web}:{d}\n"), out.stderr
     for argv, message in [
         (["--steps", "1-16", "--out", str(ledger)], f"error: --out {ledger} exists; name a new file"),
         (["--steps", "3-2", "--out", str(tmp / "x.jsonl")], "error: --steps '3-2': give A-B with 1 <= A <= B"),

@@ -214,16 +214,23 @@ class Ledger:
             out.append(row)
         return out
 
-    def find_text(self, text: str, chunk: int = 1 << 24) -> tuple[str, int] | None:
-        """(source, document) of the first document of the run's sources whose text holds `text`: its tokens (the
-        first and last dropped, which depend on what surrounds them) looked up in each .bin, a chunk at a time, and
-        the document's decoded text checked."""
+    def find_text(self, text: str, chunk: int = 1 << 24) -> list[tuple[str, int]]:
+        """(source, document) of every document of the run's sources whose text holds `text`: its tokens
+        looked up in each .bin, a chunk at a time, and the document's decoded text checked. A BPE token at either end
+        depends on what surrounds it (a word after a space is another token), so the text is encoded as it is and
+        after a space, and of more than 3 tokens the first and last are dropped."""
+        found: dict[tuple[str, int], None] = {}
+        for ids in (self.tokenizer.encode(text), self.tokenizer.encode(" " + text)):
+            found.update(dict.fromkeys(self._find_tokens(np.asarray(ids[1:-1] if len(ids) > 3 else ids), text,
+                                                         chunk)))
+        return sorted(found)
+
+    def _find_tokens(self, core: np.ndarray, text: str, chunk: int) -> list[tuple[str, int]]:
         from hybridpar.data.indexed import IndexedTokens
 
-        ids = self.tokenizer.encode(text)
-        core = np.asarray(ids[1:-1] if len(ids) > 2 else ids)
+        out: list[tuple[str, int]] = []
         if not len(core):
-            return None
+            return out
         for name, prefix in self.sources.items():
             data = IndexedTokens(prefix)
             tokens, starts = data.tokens, np.asarray(data.sequence_pointers) // data.dtype.itemsize
@@ -236,9 +243,9 @@ class Ledger:
                 for at in (a + hits).tolist():
                     doc = int(np.searchsorted(starts, at, "right")) - 1
                     if doc not in seen and text in self.tokenizer.decode(data[doc].tolist()):
-                        return name, doc
+                        out.append((name, doc))
                     seen.add(doc)
-        return None
+        return out
 
     def _position_in_stream(self, stream: int, n: int) -> int | None:
         """The global position of stream `stream`'s sample n (0-based): the batch by a binary search over the
