@@ -43,6 +43,7 @@ from hybridpar.parallel.fp8 import fp8_scales
 from hybridpar.parallel.startup import build_parallel_model, plain_name
 from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
 from hybridpar.resolve import Run
+from hybridpar.training.goodput import Goodput, process_start_time
 from hybridpar.training.lr_schedule import lr_at
 from hybridpar.training.microbatch import (chunked_loss, count_target_tokens, forward_backward_no_pipelining,
                                            logits_loss)
@@ -136,6 +137,8 @@ class Trainer:
         # no checkpoint would be saved: _stop_mid_step). stop_voted: some rank asked (read from a step's status).
         self.stop_requested, self.stop_signal, self.stop_voted = False, 0, False
         self.data_wait_seconds = 0.0  # time train steps waited on data since the last log row (read-ahead hides most)
+        self.data_wait_total = 0.0  # and since the start (the goodput record's data_wait)
+        self.goodput: Goodput | None = None  # fit()'s time accounting (hybridpar.training.goodput)
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
         self.flops_per_token = flops_per_token_of(cfg.model, cfg.train.seq_len)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -253,6 +256,7 @@ class Trainer:
         microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                         for x, y in host]
         self.data_wait_seconds += time.perf_counter() - t0
+        self.data_wait_total += time.perf_counter() - t0
         self.batch_crc32 = loader.crc32.pop(batch, None)
         # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
         n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
@@ -322,6 +326,8 @@ class Trainer:
         else:
             s.skipped += 1
             s.skip_streak += 1
+            if self.goodput is not None:
+                self.goodput.skipped(r.step)
             self.say(f"warning: step {r.step}: gradient norm is {r.grad_norm}; optimizer step skipped "
                      f"({s.skip_streak} in a row, {s.skipped} in total)")
             if s.skip_streak > limit:
@@ -517,13 +523,19 @@ class Trainer:
         if self.log is None:
             self.open_log(enabled=self.rank == 0)
         result = TrainResult(unigram_loss=self.data.unigram_loss)
+        started = process_start_time()
+        g = self.goodput = Goodput.begin(self.run_dir if self._keeps_goodput else None, started, s.step)
+        for note in g.notes:
+            self.say(note)
         self._start_lines(result.unigram_loss)
         tokens_per_step = t.global_batch_size * t.seq_len
+        g.add("startup", time.time() - started)
         start = time.perf_counter()
         if t.eval_interval and s.step == 0 and t.steps > 0:  # (a seed-checkpoint start skips it)
             self._validate()
         if self.evaluator.tasks and s.step == 0 and t.steps > 0:
             self._eval_tasks()
+        g.add("evaluation", time.perf_counter() - start)
         last_time, last_step = time.perf_counter(), s.step
         first_step = s.step + 1
         profile_range, profiler = cfg.profile.range, None
@@ -531,6 +543,7 @@ class Trainer:
             step = self.state.step
             if profile_range and step + 1 == profile_range[0]:
                 profiler = StepProfiler(cfg.profile, self.device, self.run_dir / "profile", self.rank)
+            began, waited = time.perf_counter(), self.data_wait_total
             loss, grad_norm, lr = self.advance(step)
             step += 1
             done = step == t.steps
@@ -547,28 +560,46 @@ class Trainer:
             if profiler is not None and step == profile_range[1]:
                 self.say(profiler.stop(profile_range))
                 profiler = None
+            waited = self.data_wait_total - waited
             if log_now or stop:
                 loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
+                g.stepped(step, time.perf_counter() - began - waited)
+                g.add("data_wait", waited)
                 now = time.perf_counter()
                 result.losses[step] = loss_value
-                self._log(self._metrics(loss_value, lr, float(grad_norm), now - last_time, step - last_step,
-                                        tokens_per_step))
+                self._log({**self._metrics(loss_value, lr, float(grad_norm), now - last_time, step - last_step,
+                                           tokens_per_step), **g.row()})
+                self._save_goodput()
                 last_time, last_step = now, step
+            else:
+                g.stepped(step, time.perf_counter() - began - waited)
+                g.add("data_wait", waited)
             if t.eval_interval and (step % t.eval_interval == 0 or done):
+                began = time.perf_counter()
                 self._validate()
                 last_time = time.perf_counter()  # validation time is not training throughput
+                g.add("evaluation", last_time - began)
                 stop = stop or (self.stop_voted and not done)  # a signal during validation
             every = t.eval_tasks_interval
             if self.evaluator.tasks and (done or every and step % every == 0) and not self.stop_voted:
+                began = time.perf_counter()
                 self._eval_tasks()
                 last_time = time.perf_counter()
+                g.add("evaluation", last_time - began)
                 stop = stop or (self.stop_voted and not done)
+            began = time.perf_counter()
             self._checkpoint_after_step()
+            g.add("checkpoint_stall", time.perf_counter() - began)
+            if self._last_saved == step:
+                self._save_goodput()
             if self.spike is not None and self.checkpointer is None:
                 self.spike = None  # (a trainer without checkpoints to go back to: the warning was all)
             if self.spike is not None:
+                began = time.perf_counter()
                 self._rewind()  # back to a checkpoint (or on from a rerun), the spike's batches skipped
                 last_time, last_step = time.perf_counter(), self.state.step
+                g.rewound(self.state.step, last_time - began)
+                self._save_goodput()
                 continue
             if stop:
                 result.preempted = True
@@ -577,13 +608,27 @@ class Trainer:
         self.read_status()
         result.preempted |= self.state.step < t.steps  # (stopped during the first validation: no break above)
         result.wall_time = time.perf_counter() - start
+        began = time.perf_counter()
         if t.sample_tokens and not result.preempted and self.state.step > 0:  # no sample of an untrained model
             result.sample = self.evaluator.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)
             self.say(f"sample (temperature {t.sample_temperature}):\n{result.sample}")
+        g.add("evaluation", time.perf_counter() - began)
+        began = time.perf_counter()
         self._checkpoint_at_end()
+        g.add("checkpoint_stall", time.perf_counter() - began)
+        self._save_goodput()
         self.say(f"done: {self.state.step} steps in {result.wall_time:.1f}s")
         self.close()
         return result
+
+    @property
+    def _keeps_goodput(self) -> bool:
+        """Rank 0 of a run that owns its run dir (it checkpoints) records the time accounting there."""
+        return self.rank == 0 and self.checkpointer is not None
+
+    def _save_goodput(self) -> None:
+        if self._keeps_goodput and self.goodput is not None:
+            self.goodput.save(self.run_dir, [step_of(p) for p in list_checkpoints(self.run_dir)])
 
     def close(self) -> None:
         """Closes the metrics log (once opened) and the data; fit() calls it on its way out, the session after an

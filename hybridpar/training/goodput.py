@@ -1,0 +1,144 @@
+"""Goodput: where every second of a run's wall clock went, across every start of it (<run.dir>/goodput.json).
+
+The trainer measures each part of its loop and hands the seconds here; this record keeps the totals since the run's
+first start, and what was lost when work was thrown away:
+
+- productive: the steps of the run's history (what its final weights are made of);
+- startup: each process start to the loop's start (imports, process group, data, model, resume);
+- data_wait: steps waiting on the data loader (taken out of the steps' time);
+- checkpoint_stall: the step loop blocked by saves (an async save's synchronous part);
+- evaluation: validation, task evaluations and the final sample;
+- rewind: the rewinds themselves (restoring, a spike rerun's replay); rewind_redo: the productive time of the steps
+  a rewind undid (they are trained again);
+- restart_redo: the productive time of the steps a restart (preemption, kill, requeue) trained again: the steps after
+  the checkpoint it resumed from, as the previous start recorded them;
+- skipped_nonfinite: steps whose update was skipped (a non-finite gradient norm);
+- down: between the last record of one start and the next start (a queue, a dead node; and a killed start's work
+  after its last record);
+- other: the wall clock less all of the above (logging, the loop's own bookkeeping).
+
+goodput = productive / wall, wall = now - the first start. A start records at every log row and checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PARTS = ("productive", "startup", "data_wait", "checkpoint_stall", "evaluation", "rewind", "rewind_redo",
+         "restart_redo", "skipped_nonfinite", "down")
+FILE = "goodput.json"
+
+
+def process_start_time() -> float:
+    """This process's start, as time.time() would have read it (Linux /proc; else the time hybridpar was
+    imported)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # seconds after boot
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+
+
+_IMPORTED = time.time()
+
+
+@dataclass
+class Goodput:
+    first_start: float
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+    productive_at: dict[int, float] = field(default_factory=lambda: {0: 0.0})  # step -> productive seconds to it
+    last_seen: float = 0.0
+    notes: list[str] = field(default_factory=list)  # what begin() has to say (a damaged file)
+
+    @classmethod
+    def begin(cls, run_dir: Path | None, started: float, step: int) -> "Goodput":
+        """The record of a start at `started` (time.time()) that continues from step `step` (0: from scratch), with
+        what `run_dir`'s goodput.json says of the earlier starts (None: keep nothing on disk)."""
+        g = cls(first_start=started)
+        saved = _read(run_dir, g.notes) if run_dir is not None else None
+        if saved is not None:
+            g.first_start, g.seconds = saved["first_start"], {p: saved["seconds"].get(p, 0.0) for p in PARTS}
+            g.productive_at = {int(k): v for k, v in saved["productive_at"].items()}
+            g.seconds["down"] += max(0.0, started - saved["last_seen"])
+            kept = g.productive_at.get(step)
+            if kept is None:  # (the record lacks that checkpoint: keep the productive time it has)
+                kept = g.seconds["productive"] if step >= max(g.productive_at) else 0.0
+            lost = max(0.0, g.seconds["productive"] - kept)
+            g.seconds["restart_redo"] += lost
+            g.seconds["productive"] -= lost
+            g.productive_at = {s: v for s, v in g.productive_at.items() if s <= step}
+        g.productive_at[step] = g.seconds["productive"]
+        g.last_seen = started
+        return g
+
+    def add(self, part: str, seconds: float) -> None:
+        self.seconds[part] += max(0.0, seconds)
+
+    def stepped(self, step: int, seconds: float) -> None:
+        """Step `step` trained in `seconds` of productive time."""
+        self.seconds["productive"] += max(0.0, seconds)
+        self.productive_at[step] = self.seconds["productive"]
+
+    def skipped(self, step: int) -> None:
+        """Step `step`'s update was skipped: its time was not productive."""
+        if step in self.productive_at and step - 1 in self.productive_at:
+            lost = self.productive_at[step] - self.productive_at[step - 1]
+            self.seconds["productive"] -= lost
+            self.seconds["skipped_nonfinite"] += lost
+            for s in self.productive_at:
+                if s >= step:
+                    self.productive_at[s] -= lost
+
+    def rewound(self, target: int, seconds: float) -> None:
+        """A rewind to step `target` took `seconds`; the steps after it are trained again."""
+        kept = self.productive_at.get(target, self.seconds["productive"])
+        self.seconds["rewind_redo"] += self.seconds["productive"] - kept
+        self.seconds["productive"] = kept
+        self.productive_at = {s: v for s, v in self.productive_at.items() if s <= target}
+        self.add("rewind", seconds)
+
+    def row(self, now: float | None = None) -> dict:
+        """The metrics row's fields: each part in seconds, the wall clock, other, and goodput."""
+        now = time.time() if now is None else now
+        wall = now - self.first_start
+        out = {f"goodput/{p}_s": round(self.seconds[p], 3) for p in PARTS}
+        out["goodput/wall_s"] = round(wall, 3)
+        out["goodput/other_s"] = round(wall - sum(self.seconds.values()), 3)
+        out["goodput"] = self.seconds["productive"] / wall if wall > 0 else 0.0
+        return out
+
+    def save(self, run_dir: Path, checkpoints: list[int]) -> None:
+        """Record (rank 0): the totals, now, and the productive time at each of the run's checkpoints."""
+        self.last_seen = time.time()
+        last = max(self.productive_at)
+        keep = {s: v for s, v in self.productive_at.items() if s in checkpoints or s == last or s == 0}
+        tmp = Path(run_dir) / f".{FILE}.tmp"
+        tmp.write_text(json.dumps({"first_start": self.first_start, "last_seen": self.last_seen,
+                                   "seconds": self.seconds, "productive_at": {str(k): v for k, v in keep.items()}})
+                       + "\n")
+        os.replace(tmp, Path(run_dir) / FILE)
+
+
+def _read(run_dir: Path, notes: list[str]) -> dict | None:
+    path = Path(run_dir) / FILE
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        numbers = [saved["first_start"], saved["last_seen"], *saved["seconds"].values(),
+                   *saved["productive_at"].values()]
+        if not all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in numbers) or not all(
+                k.isdigit() for k in saved["productive_at"]) or saved["last_seen"] < saved["first_start"]:
+            raise ValueError("a value that is not a time")
+        return saved
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        notes.append(f"warning: {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); the time accounting "
+                     f"starts again from this start")
+        return None
