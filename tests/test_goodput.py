@@ -1,0 +1,123 @@
+"""Goodput (hybridpar/training/goodput.py, launch/goodput.py): a run with a spike rewind, a kill -9, a SIGTERM
+preemption and checkpoints accounts for its wall clock: the parts sum to it within 2%, and each lost part equals
+what was done (the redone steps' logged step times, the saves' stalls as the saves report them)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, metrics_rows, run_cli, user_env
+
+STEPS = 14
+ARGS = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",
+        "--logging.interval", "1", "--train.eval_interval", "0", "--train.sample_tokens", "0",
+        "--train.eval_tasks", "", "--train.precision", "fp32", "--checkpoint.interval", "4",
+        "--checkpoint.keep_last", "20", "--logging.wandb.mode", "disabled", "--train.spike", "rewind",
+        "--spike.window", "4", "--spike.skip", "2", "--spike.grad_norm_zscore", "6", "--model.n_layers", "2"]
+
+
+def _start(script, run_dir, cache_dir, log):
+    return subprocess.Popen([sys.executable, *script, *ARGS, "--data.cache_dir", str(cache_dir), "--run.dir",
+                             str(run_dir)], cwd=ROOT, env=user_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(proc, until, log_path):
+    deadline = time.time() + 300
+    while not until() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, log_path.read_text()[-3000:]
+
+
+def _steps_logged(run_dir, step):
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count(f'{{"step": {step}, "loss"') if path.exists() else 0
+
+
+@pytest.mark.multiprocess
+def test_the_parts_add_up_to_the_wall_clock_through_a_rewind_a_kill_and_a_preemption(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / f"start{i}.log" for i in range(3)]
+    with open(logs[0], "w") as log:  # a gradient fault at step 7: rewound to step 4; then killed after step 10
+        proc = _start(["tests/fault_drill.py", "0", "7", "1000"], run_dir, cache_dir, log)
+        _wait(proc, lambda: _steps_logged(run_dir, 10) >= 1, logs[0])
+        proc.kill()
+        proc.wait()
+    first = metrics_rows(run_dir)
+    rewind = next(i for i, r in enumerate(first) if "rewind" in r)
+    assert first[rewind]["rewind_to"] == 4, first[rewind]
+    # A row's step_time is the time since the row before, which holds the save of a checkpoint step before it:
+    # taken out, as the save reported its stall
+    blocked = {int(a): float(b) for a, b in re.findall(r"step_(\d+) \(step loop blocked ([0-9.]+)s\)",
+                                                        logs[0].read_text())}
+    undone = sum(r["step_time"] for r in first[:rewind] if "loss" in r and r["step"] > 4) - blocked[4]  # 5-7
+    redone = sum(r["step_time"] for r in first[rewind:] if "loss" in r and r["step"] > 8) - blocked[8]
+    with open(logs[1], "w") as log:  # resumed from checkpoint 8; preempted (SIGTERM) after step 11
+        proc = _start(["launch/pretrain_gpt.py"], run_dir, cache_dir, log)
+        _wait(proc, lambda: _steps_logged(run_dir, 11) >= 1, logs[1])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 75, logs[1].read_text()[-3000:]
+    out = run_cli(["launch/pretrain_gpt.py", *ARGS, "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    logs[2].write_text(out.stdout)
+    text = "".join(p.read_text() for p in logs)
+    assert "resuming from" in logs[1].read_text() and "resuming from" in out.stdout
+    saved = json.loads((run_dir / "goodput.json").read_text())
+    s, wall = saved["seconds"], saved["last_seen"] - saved["first_start"]
+    # the parts sum to the wall clock of all three starts and the gaps between them, within 2%
+    assert abs(wall - sum(s.values())) <= 0.02 * wall, (wall, s)
+    # each lost part is what was done: the first pass of steps 5-7 (rewound), the steps after checkpoint 8 that
+    # the killed start trained (as its rows logged them), the saves' blocking time (as the saves said)
+    assert s["rewind_redo"] == pytest.approx(undone, rel=0.1, abs=0.05), (s, undone)
+    assert s["restart_redo"] == pytest.approx(redone, rel=0.1, abs=0.05), (s, redone)
+    stalls = sum(float(x) for x in re.findall(r"step loop blocked ([0-9.]+)s", text))
+    assert s["checkpoint_stall"] == pytest.approx(stalls, rel=0.1, abs=0.05), (s, stalls)
+    assert s["rewind"] > 0 and s["down"] > 0 and s["startup"] > 0 and s["skipped_nonfinite"] == 0
+    rows = [r for r in metrics_rows(run_dir) if "goodput" in r]
+    last = rows[-1]
+    assert last["step"] == STEPS and 0 < last["goodput"] < 1
+    assert last["goodput"] == pytest.approx(last["goodput/productive_s"] / last["goodput/wall_s"], rel=1e-3)
+    out = run_cli(["launch/goodput.py", str(run_dir), "--out", str(tmp_path / "goodput.png")])
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^restart_redo +[0-9.]+ ", out.stdout, re.M) and f"goodput {s['productive'] / wall:.1%}" in \
+        out.stdout and (tmp_path / "goodput.png").stat().st_size > 0
+    # a damaged record: said, and the accounting starts again (the run still trains)
+    (run_dir / "goodput.json").write_text('{"first_start": "yesterday"}')
+    out = run_cli(["launch/goodput.py", str(run_dir)])
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {run_dir / 'goodput.json'} is unreadable"), \
+        out.stderr
+
+
+def test_the_record_by_hand_restart_rewind_skip_and_a_damaged_file(tmp_path):
+    from hybridpar.training.goodput import Goodput
+
+    g = Goodput.begin(tmp_path, 100.0, 0)  # a first start at t = 100 s
+    g.add("startup", 5.0)
+    for step in range(1, 7):
+        g.stepped(step, 1.0 + step / 10)  # steps 1-6: 1.1 .. 1.6 s
+    g.skipped(2)  # step 2's update skipped: its 1.2 s was not productive
+    g.rewound(4, 0.5)  # steps 5 and 6 undone (1.5 + 1.6 s)
+    assert g.seconds["rewind_redo"] == pytest.approx(3.1) and g.seconds["skipped_nonfinite"] == pytest.approx(1.2)
+    assert g.seconds["productive"] == pytest.approx(1.1 + 1.3 + 1.4) and g.seconds["rewind"] == 0.5
+    g.stepped(5, 2.0)
+    g.stepped(6, 2.0)
+    g.save(tmp_path, checkpoints=[4])  # the record holds steps 0, 4 and the last
+    saved = json.loads((tmp_path / "goodput.json").read_text())
+    assert sorted(saved["productive_at"]) == ["0", "4", "6"]
+    again = Goodput.begin(tmp_path, saved["last_seen"] + 30.0, 4)  # 30 s later, resumed from checkpoint 4
+    assert again.seconds["restart_redo"] == pytest.approx(4.0) and again.seconds["down"] == pytest.approx(30.0)
+    assert again.seconds["productive"] == pytest.approx(3.8) and again.first_start == 100.0
+    row = again.row(saved["last_seen"] + 30.0)
+    assert row["goodput/wall_s"] == pytest.approx(saved["last_seen"] + 30.0 - 100.0, abs=1e-3)
+    for text in ("{", '{"first_start": 1, "last_seen": 0, "seconds": {}, "productive_at": {}}', "[]",
+                 '{"first_start": 1, "last_seen": 2, "seconds": {"productive": -1}, "productive_at": {}}'):
+        (tmp_path / "goodput.json").write_text(text)
+        fresh = Goodput.begin(tmp_path, 500.0, 4)
+        assert fresh.first_start == 500.0 and sum(fresh.seconds.values()) == 0, text
+        assert len(fresh.notes) == 1 and "is unreadable" in fresh.notes[0], text
