@@ -43,7 +43,7 @@ from hybridpar.parallel.fp8 import fp8_scales
 from hybridpar.parallel.startup import build_parallel_model, plain_name
 from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
 from hybridpar.resolve import Run
-from hybridpar.training.goodput import Goodput, process_start_time
+from hybridpar.training.goodput import Goodput
 from hybridpar.training.lr_schedule import lr_at
 from hybridpar.training.microbatch import (chunked_loss, count_target_tokens, forward_backward_no_pipelining,
                                            logits_loss)
@@ -518,12 +518,14 @@ class Trainer:
         self.say(f"{len(hosts)} rank(s) on {len(set(hosts))} host(s): "
                  + ", ".join(f"{h} x{hosts.count(h)}" for h in dict.fromkeys(hosts)))
 
-    def fit(self) -> TrainResult:
+    def fit(self, started: float | None = None) -> TrainResult:
+        """Train to train.steps (or a stop). started: when the launch began (time.time()), for the goodput record's
+        startup (default: now)."""
         cfg, t, s = self.cfg, self.cfg.train, self.state
         if self.log is None:
             self.open_log(enabled=self.rank == 0)
         result = TrainResult(unigram_loss=self.data.unigram_loss)
-        started = process_start_time()
+        started = time.time() if started is None else started
         g = self.goodput = Goodput.begin(self.run_dir if self._keeps_goodput else None, started, s.step)
         for note in g.notes:
             self.say(note)
@@ -563,12 +565,13 @@ class Trainer:
             waited = self.data_wait_total - waited
             if log_now or stop:
                 loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
-                g.stepped(step, time.perf_counter() - began - waited)
-                g.add("data_wait", waited)
                 now = time.perf_counter()
+                g.stepped(step, now - began - waited)
+                g.add("data_wait", waited)
                 result.losses[step] = loss_value
                 self._log({**self._metrics(loss_value, lr, float(grad_norm), now - last_time, step - last_step,
                                            tokens_per_step), **g.row()})
+                g.stepped(step, time.perf_counter() - now)  # (the row's own writing: part of the step's time)
                 self._save_goodput()
                 last_time, last_step = now, step
             else:

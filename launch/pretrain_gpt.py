@@ -7,19 +7,22 @@
 
 from __future__ import annotations
 
-import signal
-import sys
 import time
 
-from hybridpar.config import Config
-from hybridpar.config.cli import help_text, load_config
-from hybridpar.errors import UserError
-from hybridpar.parallel.distributed import world_from_env
-from hybridpar.session import EVERY_RANK_ERROR_WAIT_S, Session
-from hybridpar.trainer import TrainResult
-from hybridpar.training.step_status import TrainingDiverged
-from hybridpar.checkpoint.rewind import SpikeLimit
-from hybridpar.training.microbatch import StopMidStep
+STARTED = time.time()  # this launch's start, before its imports: the goodput record's startup counts from here
+
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+from hybridpar.config import Config  # noqa: E402
+from hybridpar.config.cli import help_text, load_config  # noqa: E402
+from hybridpar.errors import UserError  # noqa: E402
+from hybridpar.parallel.distributed import world_from_env  # noqa: E402
+from hybridpar.session import EVERY_RANK_ERROR_WAIT_S, Session  # noqa: E402
+from hybridpar.trainer import TrainResult  # noqa: E402
+from hybridpar.training.step_status import TrainingDiverged  # noqa: E402
+from hybridpar.checkpoint.rewind import SpikeLimit  # noqa: E402
+from hybridpar.training.microbatch import StopMidStep  # noqa: E402
 
 
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/SIGINT after saving: requeue me (EX_TEMPFAIL)
@@ -53,7 +56,7 @@ def _train(session: Session, cfg: Config) -> TrainResult:
     session.open_run_dir(data_changes, read_seconds)
     saving = trainer.cfg.checkpoint.interval > 0
     try:
-        result = trainer.fit()
+        result = trainer.fit(started=STARTED)
     except StopMidStep as e:
         raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} in step "
                                        f"{trainer.state.step + 1}, {e}; nothing saved (checkpoint.interval 0), so "

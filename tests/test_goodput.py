@@ -78,6 +78,9 @@ def test_the_parts_add_up_to_the_wall_clock_through_a_rewind_a_kill_and_a_preemp
     assert s["restart_redo"] == pytest.approx(redone, rel=0.1, abs=0.05), (s, redone)
     stalls = sum(float(x) for x in re.findall(r"step loop blocked ([0-9.]+)s", text))
     assert s["checkpoint_stall"] == pytest.approx(stalls, rel=0.1, abs=0.05), (s, stalls)
+    print(f"goodput test: wall {wall:.2f}s, other {wall - sum(s.values()):.3f}s, rewind_redo {s['rewind_redo']:.3f}s "
+          f"vs {undone:.3f}s logged, restart_redo {s['restart_redo']:.3f}s vs {redone:.3f}s, checkpoint_stall "
+          f"{s['checkpoint_stall']:.3f}s vs {stalls:.3f}s reported")
     assert s["rewind"] > 0 and s["down"] > 0 and s["startup"] > 0 and s["skipped_nonfinite"] == 0
     rows = [r for r in metrics_rows(run_dir) if "goodput" in r]
     last = rows[-1]

@@ -4,7 +4,8 @@ The trainer measures each part of its loop and hands the seconds here; this reco
 first start, and what was lost when work was thrown away:
 
 - productive: the steps of the run's history (what its final weights are made of);
-- startup: each process start to the loop's start (imports, process group, data, model, resume);
+- startup: each launch's start (launch/pretrain_gpt.py's first line, before its imports) to the loop's start
+  (imports, process group, data, model, resume);
 - data_wait: steps waiting on the data loader (taken out of the steps' time);
 - checkpoint_stall: the step loop blocked by saves (an async save's synchronous part);
 - evaluation: validation, task evaluations and the final sample;
@@ -32,21 +33,6 @@ from pathlib import Path
 PARTS = ("productive", "startup", "data_wait", "checkpoint_stall", "evaluation", "rewind", "rewind_redo",
          "restart_redo", "skipped_nonfinite", "down")
 FILE = "goodput.json"
-
-
-def process_start_time() -> float:
-    """This process's start, as time.time() would have read it (Linux /proc; else the time hybridpar was
-    imported)."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # seconds after boot
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - (uptime - started)
-    except (OSError, ValueError, IndexError):
-        return _IMPORTED
-
-
-_IMPORTED = time.time()
 
 
 @dataclass
@@ -82,7 +68,7 @@ class Goodput:
         self.seconds[part] += max(0.0, seconds)
 
     def stepped(self, step: int, seconds: float) -> None:
-        """Step `step` trained in `seconds` of productive time."""
+        """Step `step` took `seconds` more of productive time (its training; then its log row)."""
         self.seconds["productive"] += max(0.0, seconds)
         self.productive_at[step] = self.seconds["productive"]
 
