@@ -79,7 +79,7 @@ def cli(argv: list[str]) -> int:
             raise ConfigError("--steps writes a ledger: give --out FILE.jsonl")
         steps = _steps(a.steps) if a.steps else None
         document = _document(a.document) if a.document else None
-        from hybridpar.data.provenance import open_ledger
+        from hybridpar.audit import open_ledger
 
         ledger = open_ledger(Path(a.run))
         try:

@@ -180,7 +180,7 @@ def test_one_parser_for_every_launcher():
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_command(argv, _Options, "", "t.py", config=True, positional="mode")
     launchers = sorted((ROOT / "launch").glob("*.py"))
-    assert len(launchers) == 11 and not [p.name for p in launchers if "argparse" in p.read_text()]
+    assert len(launchers) == 13 and not [p.name for p in launchers if "argparse" in p.read_text()]
 
 
 def test_numbers_out_of_range_are_one_line_errors(tmp_path):

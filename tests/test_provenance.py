@@ -78,7 +78,7 @@ def _samples(fed_step) -> list[np.ndarray]:
 @pytest.mark.multiprocess
 def test_the_ledger_gives_the_ids_every_rank_fed(recorded):
     from hybridpar.data.indexed import IndexedTokens
-    from hybridpar.data.provenance import open_ledger
+    from hybridpar.audit import open_ledger
 
     tmp, run_dir, web, code, fed, log = recorded
     # the run went through what the test is about (said by the run itself)
@@ -103,7 +103,7 @@ def test_the_ledger_gives_the_ids_every_rank_fed(recorded):
 @pytest.mark.multiprocess
 def test_a_documents_steps_are_a_brute_force_search_of_the_fed_ids(recorded):
     from hybridpar.data.indexed import IndexedTokens
-    from hybridpar.data.provenance import open_ledger
+    from hybridpar.audit import open_ledger
 
     tmp, run_dir, web, code, fed, _ = recorded
     ledger = open_ledger(run_dir)

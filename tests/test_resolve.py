@@ -95,7 +95,7 @@ def test_imports_run_downward():
     from conftest import ROOT
 
     order = {"errors": 0, "models": 0, "config": 1, "data": 2, "parallel": 2, "metrics": 2, "training": 3,
-             "planning": 4, "checkpoint": 4, "resolve": 5, "inference": 6, "trainer": 7, "session": 8, "interop": 8}
+             "planning": 4, "checkpoint": 4, "resolve": 5, "inference": 6, "audit": 6, "trainer": 7, "session": 8, "interop": 8}
     upward = []
     for path in sorted((ROOT / "hybridpar").rglob("*.py")):
         part = path.relative_to(ROOT / "hybridpar").parts[0].removesuffix(".py")
