@@ -52,11 +52,12 @@ def open_ledger(run_dir: Path) -> Ledger:
         tokenizer = load_data_tokenizer(d, plan)
         data = build_training_data(_DataRun(cfg, tokenizer, plan, torch.device("cpu")), 0, 1)
         data.train.close()  # (only the dataset is read: no loader thread)
+        builtin = prepare_builtin(d, tokenizer)[0] if d.path == "builtin" or (plan and "builtin" in plan.sources) \
+            else None
     except BaseException:
         if own_group:
             dist.destroy_process_group()
         raise
-    builtin = prepare_builtin(d, tokenizer)[0] if d.path == "builtin" or (plan and "builtin" in plan.sources) else None
     from hybridpar.data.dataset import source_names
 
     names = plan.sources if plan is not None else [p for p in _blend_names(d.path)]

@@ -106,6 +106,19 @@ def pytest_runtest_call(item):
         return (yield)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A test file that leaves a process group behind fails at its last test, not the next test to make one (a
+    module-scoped group lives until then)."""
+    result = yield
+    dist = sys.modules.get("torch.distributed")
+    last_of_file = nextitem is None or nextitem.path != item.path
+    if last_of_file and dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{item.path.name} left a torch.distributed process group behind: destroy it where it is made")
+    return result
+
+
 def pytest_runtest_logreport(report):
     SECONDS[report.nodeid] = SECONDS.get(report.nodeid, 0.0) + report.duration
 

@@ -124,3 +124,48 @@ def test_the_record_by_hand_restart_rewind_skip_and_a_damaged_file(tmp_path):
         fresh = Goodput.begin(tmp_path, 500.0, 4)
         assert fresh.first_start == 500.0 and sum(fresh.seconds.values()) == 0, text
         assert len(fresh.notes) == 1 and "is unreadable" in fresh.notes[0], text
+
+
+_FULL = """
+set -u
+mount -t tmpfs -o size=64k tmpfs "$MNT" || exit 90
+cd "$ROOT"
+"$PY" - <<'PY'
+import json, os, sys
+from pathlib import Path
+from hybridpar.errors import UserError
+from hybridpar.training.goodput import Goodput
+run = Path(os.environ["MNT"])
+g = Goodput.begin(run, 100.0, 0)
+g.stepped(1, 1.5)
+g.save(run, checkpoints=[])
+before = (run / "goodput.json").read_text()
+with open(run / "filler", "wb", buffering=0) as f:  # the rest of the file system
+    try:
+        while True:
+            f.write(b"x" * 4096)
+    except OSError:
+        pass
+g.stepped(2, 1.5)
+try:
+    g.save(run, checkpoints=[])
+except UserError as e:
+    print(json.dumps({"error": str(e), "kept": (run / "goodput.json").read_text() == before,
+                      "files": sorted(os.listdir(run))}))
+PY
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_full_file_system_stops_the_record_with_one_line_and_keeps_the_last(tmp_path):
+    """goodput.json written on a real full file system (a 64 KiB tmpfs in a private mount namespace): a one-line
+    error naming the file and the fix, the previous record intact and no temporary file left."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    env = {**user_env(), "MNT": str(mnt), "ROOT": str(ROOT), "PY": sys.executable}
+    done = subprocess.run(["unshare", "-m", "bash", "-c", _FULL], env=env, timeout=60, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["error"].startswith(f"writing {mnt / 'goodput.json'}: no space left on device; free space there")
+    assert "\n" not in out["error"] and out["kept"] and out["files"] == ["filler", "goodput.json"]
+

@@ -84,20 +84,20 @@ def test_the_ledger_gives_the_ids_every_rank_fed(recorded):
     # the run went through what the test is about (said by the run itself)
     assert "rewind 1/3: back to step 4" in log and "batches 6-7 (16 samples) skipped" in log, log[-3000:]
     assert (len(fed[1]), len(fed[16])) == (2, 1)  # 2 ranks, then 1 after the kill
-    ledger = open_ledger(run_dir)
-    assert ledger.steps == STEPS and (6, 7) in ledger.windows
-    bins = {p: IndexedTokens(p) for p in (web, code)}
-    passes = set()
-    for step in range(1, STEPS + 1):
-        rows = ledger.step(step)
-        want = _samples(fed[step])
-        assert [r["sample"] for r in rows] == list(range(G))
-        for r, ids in zip(rows, want):
-            tokens = np.concatenate([bins[r["source"]][d][a:b] for d, a, b in r["documents"]])
-            assert np.array_equal(tokens, ids[:len(tokens)]) and len(ids) - len(tokens) == r.get("pad", 0), \
-                (step, r)
-            passes.add((r["source"], r["pass"]))
-    assert (code, 2) in passes  # the code source wrapped into its second pass
+    with open_ledger(run_dir) as ledger:  # (it holds a process group: closed here)
+        assert ledger.steps == STEPS and (6, 7) in ledger.windows
+        bins = {p: IndexedTokens(p) for p in (web, code)}
+        passes = set()
+        for step in range(1, STEPS + 1):
+            rows = ledger.step(step)
+            want = _samples(fed[step])
+            assert [r["sample"] for r in rows] == list(range(G))
+            for r, ids in zip(rows, want):
+                tokens = np.concatenate([bins[r["source"]][d][a:b] for d, a, b in r["documents"]])
+                assert np.array_equal(tokens, ids[:len(tokens)]) and len(ids) - len(tokens) == r.get("pad", 0), \
+                    (step, r)
+                passes.add((r["source"], r["pass"]))
+        assert (code, 2) in passes  # the code source wrapped into its second pass
 
 
 @pytest.mark.multiprocess
@@ -106,24 +106,24 @@ def test_a_documents_steps_are_a_brute_force_search_of_the_fed_ids(recorded):
     from hybridpar.audit import open_ledger
 
     tmp, run_dir, web, code, fed, _ = recorded
-    ledger = open_ledger(run_dir)
-    samples = {(s, k): ids for s in fed for k, ids in enumerate(_samples(fed[s]))}
-    for prefix, docs in ((code, range(12)), (web, range(0, 300, 37))):
-        data = IndexedTokens(prefix)
-        for d in docs:
-            doc = data[d]
-            # brute force: the (step, sample) whose ids hold a run of >= 4 of the document's tokens at its place
-            windows = {tuple(doc[i:i + 4]) for i in range(len(doc) - 3)}
-            want = {key for key, ids in samples.items() if any(tuple(ids[i:i + 4]) in windows
-                                                               for i in range(len(ids) - 3))}
-            rows = ledger.document(prefix, d)
-            got = {(r["step"], r["sample"]) for r in rows if r["stop"] - r["start"] >= 4}
-            assert got == want, (prefix, d)
-            for r in rows:  # and each range is what that sample holds
-                ids = samples[r["step"], r["sample"]]
-                part = doc[r["start"]:r["stop"]]
-                assert any(np.array_equal(ids[i:i + len(part)], part) for i in range(len(ids) - len(part) + 1))
-        assert any(ledger.document(prefix, d) for d in docs)
+    with open_ledger(run_dir) as ledger:  # (it holds a process group: closed here)
+        samples = {(s, k): ids for s in fed for k, ids in enumerate(_samples(fed[s]))}
+        for prefix, docs in ((code, range(12)), (web, range(0, 300, 37))):
+            data = IndexedTokens(prefix)
+            for d in docs:
+                doc = data[d]
+                # brute force: the (step, sample) whose ids hold a run of >= 4 of the document's tokens at its place
+                windows = {tuple(doc[i:i + 4]) for i in range(len(doc) - 3)}
+                want = {key for key, ids in samples.items() if any(tuple(ids[i:i + 4]) in windows
+                                                                   for i in range(len(ids) - 3))}
+                rows = ledger.document(prefix, d)
+                got = {(r["step"], r["sample"]) for r in rows if r["stop"] - r["start"] >= 4}
+                assert got == want, (prefix, d)
+                for r in rows:  # and each range is what that sample holds
+                    ids = samples[r["step"], r["sample"]]
+                    part = doc[r["start"]:r["stop"]]
+                    assert any(np.array_equal(ids[i:i + len(part)], part) for i in range(len(ids) - len(part) + 1))
+            assert any(ledger.document(prefix, d) for d in docs)
 
 
 @pytest.mark.multiprocess

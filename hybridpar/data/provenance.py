@@ -94,6 +94,12 @@ class Ledger:
     aliases: dict[str, str] = field(default_factory=dict)  # a source's short name (its file name) -> its prefix
     own_group: bool = False  # open_ledger started the process group: close() ends it
 
+    def __enter__(self) -> "Ledger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         from hybridpar.data.gpt_data import release_index_readers
 

@@ -29,6 +29,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from hybridpar.errors import write_refused
 
 PARTS = ("productive", "startup", "data_wait", "checkpoint_stall", "evaluation", "rewind", "rewind_redo",
          "restart_redo", "skipped_nonfinite", "down")
@@ -106,10 +107,15 @@ class Goodput:
         last = max(self.productive_at)
         keep = {s: v for s, v in self.productive_at.items() if s in checkpoints or s == last or s == 0}
         tmp = Path(run_dir) / f".{FILE}.tmp"
-        tmp.write_text(json.dumps({"first_start": self.first_start, "last_seen": self.last_seen,
-                                   "seconds": self.seconds, "productive_at": {str(k): v for k, v in keep.items()}})
-                       + "\n")
-        os.replace(tmp, Path(run_dir) / FILE)
+        try:
+            tmp.write_text(json.dumps({"first_start": self.first_start, "last_seen": self.last_seen,
+                                       "seconds": self.seconds, "productive_at": {str(k): v for k, v in keep.items()}})
+                           + "\n")
+            os.replace(tmp, Path(run_dir) / FILE)
+        except OSError as e:  # a full or read-only file system: one line; the last complete record stays
+            tmp.unlink(missing_ok=True)
+            raise write_refused(e, Path(run_dir) / FILE, "free space there, then start the same command again (it "
+                                "resumes from the latest complete checkpoint)") or e
 
 
 def _read(run_dir: Path, notes: list[str]) -> dict | None:
