@@ -4,7 +4,6 @@ the tiny models, so it is known to run to the end before a GPU is lent."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 

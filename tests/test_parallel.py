@@ -354,7 +354,6 @@ def test_ranks_with_different_configs_stop_with_one_line_before_writing(tmp_path
     """Two ranks started by hand (as a job script might), one with another seed: both stop at resolve's first step,
     rank 0 says why in one line, rank 1 says nothing (the same error, already said), and no run dir is made. Then
     an error every rank has (a batch the two ranks do not divide) is printed once, not once per rank."""
-    import os
     import socket
     import subprocess
     import sys
