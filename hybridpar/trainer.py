@@ -356,6 +356,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         """Checkpoint the position (step `step`), unless inside a non-finite streak or before a rewind."""
+        began = time.perf_counter()  # the step loop is blocked from here: what the save's line reports
         self.read_status()  # the skip counters and streak of every step so far, before deciding and saving
         if self.state.skip_streak:
             # Never save inside a non-finite streak: a resume would start from the diverging state with its streak
@@ -372,7 +373,7 @@ class Trainer:
         self.copies.take(step, self.optimizer, position)
         self._last_saved = step
         self.say(f"{'started' if ckpt.async_save else 'saved'} checkpoint {path} (step loop blocked "
-                 f"{ckpt.blocking_seconds[-1]:.2f}s)")
+                 f"{time.perf_counter() - began:.3f}s)")
 
     def _write(self, step: int):
         """Checkpoint `step` of the model, optimizer and position as they are now: (its path, the position)."""

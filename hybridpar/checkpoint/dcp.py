@@ -33,7 +33,6 @@ import errno
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -101,7 +100,6 @@ class Checkpointer:
         self.keep_last, self.async_save = cfg.checkpoint.keep_last, cfg.checkpoint.async_save
         self._pending = None  # (future, path, wandb id) of an async save in flight
         self._need_bytes = 0  # what this rank writes for the save under way
-        self.blocking_seconds: list[float] = []  # how long each save stopped the step loop
         # Async saves run their collectives from a background thread: on a gloo group of their own, never the
         # training group (collectives from two threads on one group can interleave differently on each rank); a
         # second one carries the per-step "is the save done everywhere?" vote.
@@ -121,7 +119,6 @@ class Checkpointer:
                     {**position, "step": step, "data_key": data_key(self.cfg)}.items()}
         state = _state(model, optimizer, position)
         self._need_bytes = _local_bytes(state)
-        start = time.perf_counter()
         if self.async_save:
             future = dcp.async_save(state, checkpoint_id=str(path), process_group=self._group)
             self._pending = (future, path, wandb_id)
@@ -131,7 +128,6 @@ class Checkpointer:
             except (Exception, CheckpointException) as e:  # every rank gets DCP's gathered exception
                 raise self._save_failed(path, e) from None
             self._complete(path, wandb_id)
-        self.blocking_seconds.append(time.perf_counter() - start)
         return path
 
     def _save_failed(self, path: Path, e: BaseException) -> BaseException:
