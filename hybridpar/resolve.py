@@ -312,21 +312,27 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
 
 
 def check_exact(cfg: Config) -> None:
-    """parallel.exact_reduction's bound on the step's microbatches (hybridpar.parallel.exact)."""
+    """parallel.exact_reduction's needs and bounds (hybridpar.parallel.exact): the mode's module, which imports
+    torch-private FSDP classes, is imported only once torch is known to have them."""
+    t, p = cfg.train, cfg.parallel
+    if not p.exact_reduction:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        raise ConfigError(f"parallel.exact_reduction needs FSDP2's custom reduce-scatter, which torch "
+                          f"{torch.__version__} lacks (FSDPModule.set_custom_reduce_scatter; torch 2.13 has it): "
+                          f"install a newer torch, or set parallel.exact_reduction false")
     from hybridpar.parallel.exact import MAX_MICROBATCHES
 
-    t, p = cfg.train, cfg.parallel
-    if p.exact_reduction:
-        from torch.distributed.fsdp import FSDPModule
-
-        if not hasattr(FSDPModule, "set_custom_reduce_scatter"):
-            raise ConfigError(f"parallel.exact_reduction needs FSDP2's custom reduce-scatter, which torch "
-                              f"{torch.__version__} lacks (FSDPModule.set_custom_reduce_scatter; torch 2.13 has it): "
-                              f"install a newer torch, or set parallel.exact_reduction false")
-    if p.exact_reduction and t.precision == "bf16" and p.dp_shard == 1 and p.dp_replicate > 1:
+    if cfg.model.dropout > 0:
+        raise ConfigError(f"parallel.exact_reduction with model.dropout={cfg.model.dropout}: a rank draws its masks "
+                          f"for the microbatches it holds, so each layout drops other elements and no two layouts "
+                          f"agree: set model.dropout 0, or parallel.exact_reduction false")
+    if t.precision == "bf16" and p.dp_shard == 1 and p.dp_replicate > 1:
         raise ConfigError("parallel.exact_reduction in bf16 needs parallel.dp_shard > 1 when dp_replicate > 1 (FSDP "
                           "would add the replicas' gradients in float): shard instead, or train in fp32")
-    if p.exact_reduction and t.global_batch_size // t.micro_batch_size > MAX_MICROBATCHES:
+    if t.global_batch_size // t.micro_batch_size > MAX_MICROBATCHES:
         raise ConfigError(f"parallel.exact_reduction sums at most {MAX_MICROBATCHES} microbatches a step; "
                           f"train.global_batch_size={t.global_batch_size} / train.micro_batch_size="
                           f"{t.micro_batch_size} makes {t.global_batch_size // t.micro_batch_size}: raise "

@@ -38,7 +38,6 @@ from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary
 from hybridpar.models import count_params
 from hybridpar.parallel import autocast_for, start_notes
 from hybridpar.parallel.distributed import dp_rank_size, local_tensor, set_numerics
-from hybridpar.parallel.exact import ExactGradients
 from hybridpar.parallel.fp8 import fp8_scales
 from hybridpar.parallel.startup import build_parallel_model, plain_name
 from hybridpar.planning.flops import flops_per_token as flops_per_token_of, peak_fp8_tflops, peak_tflops
@@ -117,7 +116,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
         self.numerics = StepNumerics.of(cfg, self.model, mesh["tp"].size(), self.dp_size, device)
         self.exact = None
-        if cfg.parallel.exact_reduction:
+        if cfg.parallel.exact_reduction:  # (its module imports torch-private FSDP classes: only when on)
+            from hybridpar.parallel.exact import ExactGradients
+
             names = {id(p): plain_name(n) for n, p in self.model.named_parameters()}
             self.exact = ExactGradients(self.model, mesh, names)
         self.evaluator = Evaluator(cfg, self.model, mesh, device, self.tokenizer, self.numerics, self.data, tasks,

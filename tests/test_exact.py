@@ -227,6 +227,7 @@ def test_the_grid_sums_exactly_replays_a_step_that_outgrew_it_and_passes_a_nan_o
     (["--parallel.accumulate_unsharded", "true", "--parallel.dp_shard", "2", "--train.micro_batch_size", "4"], 2,
      "parallel.exact_reduction reduces every microbatch on its own: leave parallel.accumulate_unsharded at auto or "
      "false"),
+    (["--model.dropout", "0.1"], 2, "parallel.exact_reduction with model.dropout=0.1: a rank draws its masks"),
     (["--train.global_batch_size", "2048", "--train.micro_batch_size", "1"], 1,
      "parallel.exact_reduction sums at most 1024 microbatches a step; train.global_batch_size=2048 / "
      "train.micro_batch_size=1 makes 2048: raise train.micro_batch_size"),
@@ -244,3 +245,54 @@ def test_the_mode_refuses_what_it_cannot_sum_exactly(argv, world, message):
         resolve(cfg, WorldInfo(0, world, 0, world), torch.device("cpu"))
     assert str(e.value).startswith(message), str(e.value)
     resolve(load_config(argv), WorldInfo(0, world, 0, world), torch.device("cpu"))  # (the same without the mode)
+
+
+def test_a_resume_at_another_tp_or_micro_batch_says_the_curve_is_no_longer_bitwise(tmp_path):
+    """The checkpoint's config (written as a save writes it) at tp 1, micro-batch 2: a resume at tp 2 or at
+    micro-batch 1 gets a note naming the change; the same values, or a run without the mode, get none."""
+    from dataclasses import replace
+
+    from hybridpar.config.cli import dump_yaml, load_config
+    from hybridpar.session import exact_resume_notes
+
+    saved = load_config(["--parallel.exact_reduction", "true", "--train.micro_batch_size", "2"])
+    (tmp_path / "config.yaml").write_text(dump_yaml(saved))
+    assert exact_resume_notes(tmp_path, saved) == []
+    tp2 = replace(saved, parallel=replace(saved.parallel, tp=2))
+    [note] = exact_resume_notes(tmp_path, tp2)
+    assert "parallel.tp 1 -> 2" in note and "not bitwise" in note, note
+    [note] = exact_resume_notes(tmp_path, replace(saved, train=replace(saved.train, micro_batch_size=1)))
+    assert "train.micro_batch_size 2 -> 1" in note and "parallel.tp" not in note, note
+    assert exact_resume_notes(tmp_path, replace(tp2, parallel=replace(tp2.parallel, exact_reduction=False))) == []
+
+
+def test_a_torch_without_the_modes_fsdp_hooks_still_trains_without_the_mode(monkeypatch):
+    """The mode's module imports torch-private FSDP classes; on a torch without them (the import raises, as
+    sys.modules[name] = None makes it) the trainer and session still import, the mode's module is not loaded, and
+    asking for the mode on a torch without FSDP's custom reduce-scatter is one ConfigError naming the fix."""
+    import importlib
+    import sys
+
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    import hybridpar
+    from hybridpar.config.cli import load_config
+    from hybridpar.errors import ConfigError
+    from hybridpar.parallel.distributed import WorldInfo
+
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp._fully_shard._fsdp_api", None)
+    for name in ("hybridpar.parallel.exact", "hybridpar.trainer", "hybridpar.session", "hybridpar.resolve"):
+        if name in sys.modules:
+            monkeypatch.delitem(sys.modules, name)
+    for attr in ("trainer", "session", "resolve"):
+        if hasattr(hybridpar, attr):
+            monkeypatch.setattr(hybridpar, attr, getattr(hybridpar, attr))
+    importlib.import_module("hybridpar.session")  # (imports the trainer and resolve)
+    assert "hybridpar.parallel.exact" not in sys.modules
+    resolve = importlib.import_module("hybridpar.resolve").resolve
+    resolve(load_config([]), WorldInfo(0, 1, 0, 1), torch.device("cpu"))  # the default run resolves
+    assert "hybridpar.parallel.exact" not in sys.modules
+    monkeypatch.delattr(FSDPModule, "set_custom_reduce_scatter")
+    with pytest.raises(ConfigError, match="parallel.exact_reduction needs FSDP2's custom reduce-scatter"):
+        resolve(load_config(["--parallel.exact_reduction", "true"]), WorldInfo(0, 1, 0, 1), torch.device("cpu"))

@@ -88,6 +88,29 @@ def test_blend_proportions_follow_the_weights(tmp_path):
     assert abs(from_a / 4000 - 0.7) < 0.01
 
 
+def test_a_train_blend_holds_room_to_skip_and_its_first_samples_do_not_depend_on_it(tmp_path):
+    """A blend built for n samples holds more (its parts' whole passes, up to the room bound), so skipped batches
+    fit; its first n samples are those of megatron-core's own BlendedDataset of exactly n over the same parts (the
+    size does not change the order), and no part is asked for more samples than it holds."""
+    from hybridpar.data.gpt_data import BLEND_SKIP_ROOM
+
+    a, b = _tagged(tmp_path, "a", 60, 7), _tagged(tmp_path, "b", 300, 9)
+    n = 400
+    train = build_gpt_datasets(*open_blend(f"0.3 {a} 0.7 {b}"), "100,1,0", (100 / 101, 1 / 101, 0.0), 8, 0,
+                               ByteTokenizer(), 256, {"train": n}, tmp_path / "cache")["train"]
+    assert n < len(train) <= n + max(int(n * BLEND_SKIP_ROOM[0]), BLEND_SKIP_ROOM[1])
+    BlendedDataset = _megatron()[0]
+    exact = BlendedDataset(train.datasets, [0.3, 0.7], n, train.config)
+    assert np.array_equal(train.dataset_index[:n], exact.dataset_index)
+    assert np.array_equal(train.dataset_sample_index[:n], exact.dataset_sample_index)
+    for k, part in enumerate(train.datasets):  # every index the longer blend holds lies inside its part
+        assert train.dataset_sample_index[train.dataset_index == k].max() < len(part)
+    counts = np.bincount(train.dataset_index, minlength=2)
+    assert abs(counts[0] / len(train) - 0.3) < 0.01, counts
+    assert all(int((train[i]["tokens"] == (7 if train.dataset_index[i] == 0 else 9)).all()) for i in
+               range(len(train) - 5, len(train)))  # the last samples read, from the part the index names
+
+
 def test_splits_are_disjoint(tmp_path):
     docs = [np.full(10, 10 + i) for i in range(100)]  # document i is made of token 10 + i
     prefix = _write(tmp_path / "d", docs)

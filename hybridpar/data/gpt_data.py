@@ -145,8 +145,8 @@ def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num
                 size = n_samples if len(blend) == 1 else int(math.ceil(math.ceil(n_samples * weight) * (1 + SURPLUS)))
                 parts.append(GPTDataset(low[prefix], prefix, np.arange(beg, end, dtype=np.int32), size, Split[name],
                                         config))
-            out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, [w for w, _ in blend], n_samples,
-                                                                        config)
+            size = blend_size(parts, blend, n_samples) if name == "train" else n_samples
+            out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, [w for w, _ in blend], size, config)
             check_index_values(out[name])
     except ValueError as e:
         if "pickle" not in str(e):
@@ -154,6 +154,21 @@ def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num
         raise DataError(f"an index cache under {index_dir} was replaced by a pickle while it was read (refused, "
                         f"not unpickled); delete that directory and check who else writes to data.cache_dir") from None
     return out
+
+
+def blend_size(parts, blend, n_samples: int) -> int:
+    """The samples a blend of `parts` (megatron-core GPTDatasets, each built in whole passes over its split for at
+    least its share of n_samples) holds: every sample its parts hold, not only the n_samples it was built for, so
+    that batches a run skips (data.skip_batches, also added on a resume) draw on the parts' last passes. The
+    blending order is greedy, sample by sample (part k's count after n samples is at most w_k x n + 1), so its first
+    n_samples are the same whatever the size: the size does not change the order a run reads. Bounded by
+    BLEND_SKIP_ROOM (the blending index costs 10 bytes a sample)."""
+    total = sum(w for w, _ in blend)
+    held = min(int((len(p) - 2) * total / w) for p, (w, _) in zip(parts, blend))
+    return max(n_samples, min(held, n_samples + max(int(n_samples * BLEND_SKIP_ROOM[0]), BLEND_SKIP_ROOM[1])))
+
+
+BLEND_SKIP_ROOM = (0.1, 1 << 16)  # a train blend holds up to 10% (at least 65,536) samples past what it is built for
 
 
 def check_prefixes(prefixes, indexes: dict[str, IndexedTokens], split: str, fractions, tokenizer, vocab_size: int,

@@ -74,6 +74,10 @@ class _IntReduceScatter(ReduceScatter):
         return None
 
 
+# torch 2.13 deprecates reduce_scatter_tensor (a FutureWarning on every rank) for reduce_scatter_single, which
+# older torch lacks
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 LOSS_GRID = 2.0 ** -32  # a microbatch's loss share, rounded to it: any sum of such float64 values below 2^21 is exact
 
 
@@ -133,7 +137,7 @@ class ExactGradients:
             into.copy_(_quantize(part, self._quantum(name)))  # (one parameter's float64 at a time)
         q = q.reshape(-1)
         out = torch.empty(rows.shape[1], dtype=torch.int64, device=flat.device)
-        dist.reduce_scatter_tensor(out, q, group=group)
+        _reduce_scatter_single(out, q, group=group)
         key = id(module)
         self.acc[key] = self.acc[key] + out if key in self.acc else out
         output.zero_()

@@ -153,9 +153,11 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
             m.checkpoint_fn = m.checkpoint_fn.func
         for f in branches:
             f.context_fn = f.context_fn.__wrapped__
-    for forward in contexts:  # torch's caching mode: {op key: {call index: _VersionWrapper(tensor) or a marker}}
+    # torch's caching mode: {op: calls}, the calls {call index: _VersionWrapper(tensor) or a marker} (torch 2.13)
+    # or a list of _VersionWrapper (torch 2.6-2.11)
+    for forward in contexts:
         for calls in forward.storage.values():
-            for entry in calls.values():
+            for entry in (calls.values() if isinstance(calls, dict) else calls):
                 for t in _tensors(entry):
                     pack(t)
     del out
