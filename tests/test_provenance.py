@@ -162,3 +162,41 @@ def test_the_command_prints_writes_and_refuses(recorded):
     assert not (tmp / "x.jsonl").exists()
     out = run_cli(["launch/provenance.py", str(tmp), "--step", "1"])
     assert out.returncode == 2 and out.stderr.startswith(f"error: {tmp} holds no config.yaml"), out.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_blend_skips_batches_at_start_and_on_a_resume(tmp_path):
+    """A blend ("0.3 web 0.7 code", the small code source read several times over) trained 8 steps logs each step's
+    batch_crc32 (the reference); a fresh run with --data.skip_batches 3-4 trains batches 1, 2, 5-10 and a resume of
+    the reference's step-4 checkpoint with --data.skip_batches 6-7 trains 5, 8, 9, 10: each step's CRC is the
+    reference's batch, and the batches past train.steps that both read (9, 10) agree between the two. Its start line
+    says how many passes each source is read; data.source_exhausted stop refuses it in one line, writing nothing."""
+    from conftest import step_rows
+    from hybridpar.checkpoint.layout import checkpoint_dir
+    from test_stages import _source_files
+
+    web, code = _source_files(tmp_path, n_docs=(300, 12))
+    common = ["--train.steps", "8", "--train.global_batch_size", "8", "--train.seq_len", "32", "--logging.interval",
+              "1", "--train.eval_interval", "0", "--train.sample_tokens", "0", "--train.eval_tasks", "",
+              "--train.precision", "fp32", "--logging.wandb.mode", "disabled", "--data.tokenizer", "bytes",
+              "--data.cache_dir", str(tmp_path / "cache"), "--data.path", f"0.3 {web} 0.7 {code}",
+              "--model.n_layers", "1", "--checkpoint.interval", "4"]
+
+    def crcs(args, run_dir):
+        out = run_cli(["launch/pretrain_gpt.py", *common, *args, "--run.dir", str(run_dir)])
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return {s: r["batch_crc32"] for s, r in step_rows(run_dir).items()}, out.stdout
+
+    ref, said = crcs([], tmp_path / "ref")
+    assert f"{code}: " in said and " pass(es) over its " in said, said[-2000:]
+    skipped, _ = crcs(["--data.skip_batches", "3-4"], tmp_path / "skip")
+    resumed, _ = crcs(["--checkpoint.load", str(checkpoint_dir(tmp_path / "ref", 4)), "--data.skip_batches", "6-7"],
+                      tmp_path / "resumed")
+    assert [skipped[s] for s in (1, 2, 3, 4, 5, 6)] == [ref[b] for b in (1, 2, 5, 6, 7, 8)]
+    assert [resumed[s] for s in (5, 6)] == [ref[b] for b in (5, 8)]
+    assert [resumed[s] for s in (7, 8)] == [skipped[s] for s in (7, 8)]  # batches 9 and 10, read by both
+    assert len(set(skipped.values())) == 8
+    out = run_cli(["launch/pretrain_gpt.py", *common, "--data.source_exhausted", "stop", "--run.dir",
+                   str(tmp_path / "stop")])
+    assert out.returncode != 0 and f"data.path reads {code} past its one pass" in out.stderr, out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "stop" / "metrics.jsonl").exists()

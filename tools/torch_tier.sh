@@ -3,7 +3,8 @@
 # environment of its own that sees this machine's other packages (hybridpar installed with `pip install -e
 # ".[test]"`): README's promise of which torch versions work is what this ran. The environment is made once, under
 # $TORCH_TIER_DIR (default /tmp/hybridpar-torch-VERSION), with pip's default wheel of that torch (a CUDA wheel runs on
-# CPU too).
+# CPU too). TORCH_TIER_PIP: other pins for that environment, e.g. "torchao==0.9.0" beside torch 2.6 (setup.py's
+# torchao==0.18.0 needs torch >= 2.11).
 set -euo pipefail
 v=${1:?usage: tools/torch_tier.sh TORCH_VERSION [pytest args], e.g. tools/torch_tier.sh 2.11.0}
 shift
@@ -13,6 +14,10 @@ has() { "$venv/bin/python" -c "import sys, torch; sys.exit(torch.__version__.spl
 if [ ! -x "$venv/bin/python" ] || ! has; then
   python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python" -m pip install --quiet "torch==$v"
+fi
+if [ -n "${TORCH_TIER_PIP:-}" ]; then
+  # shellcheck disable=SC2086
+  "$venv/bin/python" -m pip install --quiet --no-deps $TORCH_TIER_PIP
 fi
 cd "$root"
 "$venv/bin/python" -c "import torch; print('tools/torch_tier.sh: torch', torch.__version__)"

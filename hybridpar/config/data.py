@@ -29,7 +29,7 @@ class DataConfig:
     stages: list[str] = doc([], "a mixture that changes during the run: entries 'START[ ramp R][ seq L]: BLEND' "
                                 "(START, R in global batches, or samples with an 's' suffix; L tokens per sequence; "
                                 "BLEND as data.path), the first at 0; replaces data.path (docs/data.md#stages)")
-    source_exhausted: Literal["wrap", "stop"] = doc("wrap", "a stage source read past one pass over its train split: wrap (its next "
+    source_exhausted: Literal["wrap", "stop"] = doc("wrap", "a source (of data.path or a stage) read past one pass over its train split: wrap (its next "
                                         "pass, reshuffled) or stop (refused at start, naming the source)")
 
     def __post_init__(self):

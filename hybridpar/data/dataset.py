@@ -94,6 +94,7 @@ class TrainingData:
     description: str
     unigram_loss: float
     valid_sources: dict[str, list] = field(default_factory=dict)  # a staged run's, per source (valid is their union)
+    source_reads: list = field(default_factory=list)  # a blend's (prefix, samples drawn, samples a pass) per source
 
     def close(self) -> None:
         self.train.close()
@@ -104,7 +105,9 @@ class TrainingData:
         built in whole passes over its split, so it holds at least that many."""
         n, per_pass = len(self.train.dataset), self.train.dataset.per_pass
         if per_pass is None:  # a blend or stages: their parts are built to their weights' shares
-            return f"{n:,} train samples of {tokens} tokens (train.steps x global batch needs {needed:,})"
+            reads = "".join(f"; {p}: {drawn / one:.2f} pass(es) over its {one:,}" for p, drawn, one in
+                            self.source_reads if one)
+            return f"{n:,} train samples of {tokens} tokens (train.steps x global batch needs {needed:,}{reads})"
         passes = -(-needed // per_pass) if per_pass else 0
         return (f"{n:,} train samples of {tokens} tokens (train.steps x global batch needs {needed:,}: {passes} "
                 f"pass(es) over the split's {per_pass:,})")
@@ -139,14 +142,35 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
                               d.cache_path)
     pin = run.device.type == "cuda"
     ds = sets["train"]  # one GPTDataset (one pass = the split's tokens / seq_len), or a blend built to its shares
-    per_pass = (int(ds.dataset.sequence_lengths[ds.indices].sum()) // ds.config.sequence_length if len(blend) == 1
-                else None)
+    per_pass = _per_pass(ds) if len(blend) == 1 else None
+    needed = (t.steps + sum(b - a + 1 for a, b in d.skip_windows)) * t.global_batch_size  # (a fresh run's skips)
+    reads = _source_reads(ds, blend, needed)
+    over = [(p, drawn, one) for p, drawn, one in reads if drawn > one]
+    if over and d.source_exhausted == "stop":
+        p, drawn, one = over[0]
+        raise DataError(f"data.path reads {p} past its one pass ({one:,} train samples, {drawn:,} drawn in "
+                        f"train.steps={t.steps}) with data.source_exhausted stop; add data, lower its weight, train "
+                        f"fewer steps, or pass --data.source_exhausted wrap")
     train = GlobalBatchLoader(PlainSamples(ds, t.micro_batch_size, per_pass), t.global_batch_size, dp_rank, dp_size,
                               vocab, "train", pin_memory=pin)
     valid = _valid_batches(sets["valid"], t, dp_rank, dp_size, vocab)
     unigram = (unigram_loss(indexes[blend[0][1]], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1
                else float("nan"))
-    return TrainingData(tokenizer, train, valid, description, unigram)
+    return TrainingData(tokenizer, train, valid, description, unigram, source_reads=reads if len(blend) > 1 else [])
+
+
+def _per_pass(ds) -> int:
+    """Samples one pass over a megatron-core GPTDataset's split holds."""
+    return int(ds.dataset.sequence_lengths[ds.indices].sum()) // ds.config.sequence_length
+
+
+def _source_reads(ds, blend, needed: int) -> list[tuple[str, int, int]]:
+    """(prefix, samples the first `needed` samples draw from it, samples one pass over its split holds) of each
+    source of a plain source or blend."""
+    if len(blend) == 1:
+        return [(blend[0][1], needed, _per_pass(ds))]
+    counts = np.bincount(np.asarray(ds.dataset_index[:needed]), minlength=len(blend))
+    return [(prefix, int(c), _per_pass(part)) for (_, prefix), part, c in zip(blend, ds.datasets, counts)]
 
 
 def _valid_batches(dataset, t, dp_rank: int, dp_size: int, vocab: int) -> list:
