@@ -48,6 +48,7 @@ from hybridpar.training.microbatch import (chunked_loss, count_target_tokens, fo
                                            logits_loss)
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
 from hybridpar.training.spikes import HostCopies, check_skips, find_spike, windows_text
+from hybridpar.data.record import extend, segment
 from hybridpar.training.state import TrainState
 from hybridpar.training.step_status import StatusQueue, StepReading, TrainingDiverged
 
@@ -125,7 +126,8 @@ class Trainer:
                                    self._dp_sum, self._poll_stop)
         self.checkpointer, self.copies = checkpointer, copies if copies is not None else HostCopies(0)
         self._last_saved = -1  # the step of the newest checkpoint this process saved
-        self.state = TrainState(skip_windows=list(cfg.data.skip_windows))
+        self.start_segment = segment(cfg, 0, self.data.prefixes)  # what this start reads (hybridpar.data.record)
+        self.state = TrainState(skip_windows=list(cfg.data.skip_windows), data_segments=[self.start_segment])
         self.status = StatusQueue()
         self._device_skip = all(g.get("fused") for g in self.optimizer.param_groups if not g.get("muon"))
         self.check_skips([])
@@ -178,6 +180,8 @@ class Trainer:
         if saved is None:
             return changes
         state = TrainState.of(saved)
+        now = {**self.start_segment, "from_step": state.step}
+        state.data_segments = extend(state.data_segments, now, self.cfg.checkpoint.allow_data_change, path)
         windows = list(state.skip_windows)
         state.skip_windows = merge_windows(windows + list(self.cfg.data.skip_windows))
         self.state = state
@@ -405,13 +409,15 @@ class Trainer:
         returns where they came from."""
         # The steps after it are trained again: what this rank recorded of them belongs to the pass abandoned.
         self.local_stats = {k: v for k, v in self.local_stats.items() if k <= step}
+        segments = self.state.data_segments
         if step in self.copies.steps():
-            self.state = TrainState.of(self.copies.restore(step, self.optimizer))
-            return "host memory"
-        saved, _ = self.checkpointer.load(checkpoint_dir(self.run_dir, step), self.model, self.optimizer,
-                                          self.position())
-        self.state = TrainState.of(saved)
-        return "disk"
+            self.state, where = TrainState.of(self.copies.restore(step, self.optimizer)), "host memory"
+        else:
+            saved, _ = self.checkpointer.load(checkpoint_dir(self.run_dir, step), self.model, self.optimizer,
+                                              self.position())
+            self.state, where = TrainState.of(saved), "disk"
+        self.state.data_segments = self.state.rewound_segments(segments)
+        return where
 
     def _forget_after(self, target: int) -> None:
         """Checkpoints after `target` hold steps that are being trained again: removed (a resume must not find one)."""

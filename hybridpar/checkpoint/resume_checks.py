@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hybridpar.data.record import DATA_FIELDS, STAGE_FIELDS
 from hybridpar.errors import CheckpointError
 
 
@@ -28,14 +29,6 @@ def read_checkpoint_config(path: Path) -> dict | None:
         raise CheckpointError(f"{cfg_file} is not a config hybridpar wrote (not a mapping of sections); restore it "
                               f"from the run's config.yaml or use another checkpoint")
     return saved
-
-
-# What the consumed-samples position means: change any of these and the same position indexes other samples.
-DATA_FIELDS = (("train", "seed"), ("train", "seq_len"), ("data", "path"), ("data", "split"), ("data", "tokenizer"),
-               ("data", "stages"))
-STAGE_FIELDS = DATA_FIELDS[-1:]  # in the data key only when data.stages is set: older checkpoints keep their key
-# (data.source_exhausted is not among them: wrap and stop draw the same samples; stop only refuses a run that
-# would read a source past its first pass)
 
 
 def data_key(cfg) -> int:

@@ -95,6 +95,7 @@ class TrainingData:
     unigram_loss: float
     valid_sources: dict[str, list] = field(default_factory=dict)  # a staged run's, per source (valid is their union)
     source_reads: list = field(default_factory=list)  # a blend's (prefix, samples drawn, samples a pass) per source
+    prefixes: list = field(default_factory=list)  # the sources' prefixes on disk (the built-in corpus's in the cache)
 
     def close(self) -> None:
         self.train.close()
@@ -156,7 +157,8 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     valid = _valid_batches(sets["valid"], t, dp_rank, dp_size, vocab)
     unigram = (unigram_loss(indexes[blend[0][1]], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1
                else float("nan"))
-    return TrainingData(tokenizer, train, valid, description, unigram, source_reads=reads if len(blend) > 1 else [])
+    return TrainingData(tokenizer, train, valid, description, unigram, source_reads=reads if len(blend) > 1 else [],
+                        prefixes=[p for _, p in blend])
 
 
 def _per_pass(ds) -> int:
@@ -257,4 +259,5 @@ def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     valid = [mb for batches in valid_sources.values() for mb in batches]
     description = (f"{len(plan.stages)} stage(s) over {len(names)} source(s) ({', '.join(names)}; passes built per "
                    f"stream: {', '.join(str(len(p)) for p in streams)})")
-    return TrainingData(tokenizer, train, valid, description, float("nan"), valid_sources)
+    return TrainingData(tokenizer, train, valid, description, float("nan"), valid_sources,
+                        prefixes=list(dict.fromkeys(path.values())))

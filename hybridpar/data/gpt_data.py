@@ -145,7 +145,7 @@ def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num
                 size = n_samples if len(blend) == 1 else int(math.ceil(math.ceil(n_samples * weight) * (1 + SURPLUS)))
                 parts.append(GPTDataset(low[prefix], prefix, np.arange(beg, end, dtype=np.int32), size, Split[name],
                                         config))
-            size = blend_size(parts, blend, n_samples) if name == "train" else n_samples
+            size = blend_size(parts, blend, n_samples) if name == "train" and n_samples is not None else n_samples
             out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, [w for w, _ in blend], size, config)
             check_index_values(out[name])
     except ValueError as e:

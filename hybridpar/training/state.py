@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridpar.data.record import of_tensor, to_tensor
 from hybridpar.training.spikes import batch_number, windows_of, windows_tensor
 
 
@@ -26,6 +27,8 @@ class TrainState:
     # parallel.exact_reduction: each parameter's largest |microbatch gradient| in the last step (sorted by name),
     # which sets this step's integer grid (hybridpar.parallel.exact); None until a step measured them.
     exact_bounds: list[float] | None = None
+    # The data each start read (hybridpar.data.record): segments, oldest first, append-only across resumes.
+    data_segments: list[dict] = field(default_factory=list)
 
     def batch_for(self, step: int) -> int:
         """The 0-based global batch that 0-based step `step` trains: the step-th batch outside the skipped windows."""
@@ -36,7 +39,8 @@ class TrainState:
                 "skip_streak": self.skip_streak, "skip_windows": windows_tensor(self.skip_windows),
                 "spike_history": torch.tensor(self.spike_history, dtype=torch.float64).reshape(-1, 2),
                 "rewinds": self.rewinds, "lr_scale_until": self.lr_scale_until,
-                "exact_bounds": torch.tensor(self.exact_bounds or [], dtype=torch.float64)}
+                "exact_bounds": torch.tensor(self.exact_bounds or [], dtype=torch.float64),
+                "data_record": to_tensor(self.data_segments)}
 
     def load_state_dict(self, saved: dict) -> None:
         """A checkpoint's record (ints or 0-d tensors; older checkpoints lack the spike fields and the streak)."""
@@ -48,6 +52,15 @@ class TrainState:
         self.rewinds, self.lr_scale_until = int(saved.get("rewinds", 0)), int(saved.get("lr_scale_until", 0))
         bounds = saved.get("exact_bounds")
         self.exact_bounds = None if bounds is None or not bounds.numel() else bounds.reshape(-1).tolist()
+        record = saved.get("data_record")  # (older checkpoints: none)
+        self.data_segments = [] if record is None else of_tensor(record, "a checkpoint")
+
+    def rewound_segments(self, segments: list[dict]) -> list[dict]:
+        """The record after a rewind to this state's step from a process whose record is `segments`: the segments
+        up to this step, then the one in force now, governing from here on (the steps after it are trained again)."""
+        last = segments[-1]
+        return [s for s in segments[:-1] if s["from_step"] < self.step] + [{**last, "from_step": min(
+            last["from_step"], self.step)}] if segments else []
 
     @classmethod
     def of(cls, saved: dict) -> "TrainState":
