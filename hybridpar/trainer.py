@@ -191,9 +191,35 @@ class Trainer:
                                   state.batch_for(state.step))
             if origin is not None:
                 self.data.train.dataset.restart_at(*origin)
+                state.data_segments[-1] = {**state.data_segments[-1],  # (provenance rebuilds the sampler from it)
+                                           "stage_origin": [int(origin[0]), *map(int, origin[1])]}
+        self._check_recorded_skips(skipped[0])
         state.skip_windows = merge_windows(state.skip_windows + list(skipped[0]))
         state.rewinds = max(state.rewinds, skipped[1])
         return changes
+
+    def _check_recorded_skips(self, recorded: list[tuple[int, int]]) -> None:
+        """The windows the run dir's skipped_batches.json holds lie where this run's rewinds can reach: at most
+        spike.max_rewinds x spike.skip batches past the last step's batch (a rewind skips batches of steps it ran)."""
+        from hybridpar.checkpoint.rewind import SKIPPED_FILE
+        from hybridpar.errors import CheckpointError
+
+        s, state, where = self.cfg.spike, self.state, self.run_dir / SKIPPED_FILE
+        reach = state.batch_for(self.cfg.train.steps - 1) + 1 + s.max_rewinds * s.skip
+        far = [w for w in recorded if w[1] > reach]
+        if far:
+            raise CheckpointError(f"{where} records skipped batches {windows_text(far)}, past batch {reach:,}, the "
+                                  f"last this run's rewinds can reach: the file is damaged; delete it to resume with "
+                                  f"the checkpoint's own skipped batches")
+        # A rewind records batches after the checkpoint it goes back to; those the checkpoint trained past are in its
+        # own windows (it was saved after that rewind), or the file belongs to another history.
+        trained = state.batch_for(state.step - 1) + 1 if state.step else 0  # the last batch trained, 1-based
+        held = [(a, min(b, trained)) for a, b in recorded if a <= trained]
+        other = [w for w in held if not any(c <= w[0] and w[1] <= d for c, d in state.skip_windows)]
+        if other:
+            raise CheckpointError(f"{where} records skipped batches {windows_text(other)}, which the checkpoint (step "
+                                  f"{state.step}, batch {trained}) trained: the file belongs to another history; "
+                                  f"delete it to resume with the checkpoint's own skipped batches")
 
     def check_skips(self, saved: list[tuple[int, int]]) -> None:
         """data.skip_batches against the position (hybridpar.training.spikes.check_skips), on every rank alike."""

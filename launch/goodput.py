@@ -71,6 +71,9 @@ def cli(argv: list[str]) -> int:
         out = Path(a.out) if a.out else None
         if out is not None and (out.is_dir() or out.suffix.lower() not in IMAGE_SUFFIXES):
             raise ConfigError(f"--out {a.out}: name an image file ending in {', '.join(IMAGE_SUFFIXES)}")
+        if out is not None and not out.parent.is_dir():
+            raise ConfigError(f"--out {a.out}: directory {out.parent} does not exist; create it first or name a file "
+                              f"in an existing directory")
         parts, wall, goodput = table(Path(a.run))
         print(f"{'part':18s} {'seconds':>10s} {'share':>7s}")
         for part, seconds in parts:

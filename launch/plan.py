@@ -60,6 +60,8 @@ def parse(argv: list[str]):
     c = a.cluster
     if c.gpu not in GPUS:
         raise ConfigError(f"--cluster.gpu {c.gpu!r} is not known; use one of {', '.join(GPUS)}")
+    if a.top < 0:
+        raise ConfigError(f"--top {a.top}: give how many ranked layouts to list, 0 (none) or more")
     if c.nodes < 1 or c.gpus_per_node < 1:
         raise ConfigError(f"--cluster.nodes {c.nodes} --cluster.gpus_per_node {c.gpus_per_node}: both must be >= 1")
     if not 0 <= c.internode_gbps < 1e5:

@@ -5,8 +5,9 @@
     python launch/provenance.py RUN --text "a snippet"       the same, for the document holding that text
     python launch/provenance.py RUN --steps A-B --out F.jsonl   the ledger of steps A to B, one sample a line
 
-RUN is a run directory (--run.dir of the training command): its config.yaml, its latest checkpoint's position and
-its skipped batches are read; the data comes from data.cache_dir as the run built it. No model and no GPU.
+RUN is a run directory (--run.dir of the training command): what its latest checkpoint recorded (steps, skipped
+batches, each start's data record) is read, never config.yaml; the data comes from data.cache_dir as each start
+built it, its sources checked against their recorded fingerprints. No model and no GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from hybridpar.models.config import doc, doc_required
 @dataclass(frozen=True)
 class Options:
     run: str = doc_required("the run directory")
-    step: int = doc(0, "list step STEP's samples")
+    step: int | None = doc(None, "list step STEP's samples (steps start at 1)")
     steps: str = doc("", "A-B: the ledger of steps A to B (with --out)")
     document: str = doc("", "SOURCE:INDEX: where document INDEX of source SOURCE (a name in data.path or "
                             "data.stages, 'builtin' for the built-in corpus) was trained")
@@ -51,6 +52,21 @@ def _document(text: str) -> tuple[str, int]:
     return source, int(index)
 
 
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")  # (a non-UTF-8 argument arrives as lone surrogates)
+    except UnicodeEncodeError:
+        raise ConfigError(f"--text {_quoted(text)} is not valid UTF-8; give the snippet as UTF-8 text") from None
+    if not text.strip():
+        raise ConfigError("--text is blank; give a snippet of the document's text")
+
+
+def _quoted(text: str, room: int = 60) -> str:
+    """`text` as a message shows it: quoted, and cut to `room` characters with its length said."""
+    shown = ascii(text) if any("\ud800" <= c <= "\udfff" for c in text) else repr(text)
+    return shown if len(text) <= room else f"{shown[:room]}...' ({len(text):,} characters)"
+
+
 def _show(rows: list[dict]) -> None:
     for r in rows:
         where = f"step {r['step']} sample {r['sample']} (position {r['position']})"
@@ -69,12 +85,19 @@ def cli(argv: list[str]) -> int:
         if parsed is None:
             return 0
         a, _ = parsed
-        asked = [bool(a.step), bool(a.steps), bool(a.document), bool(a.text)]
+        asked = [a.step is not None, bool(a.steps), bool(a.document), bool(a.text)]
         if sum(asked) != 1:
             raise ConfigError("give one of --step S, --steps A-B, --document SOURCE:INDEX or --text SNIPPET")
+        if a.step is not None and a.step < 1:
+            raise ConfigError(f"--step {a.step}: steps start at 1; give --step 1 for the run's first step")
+        if a.text:
+            _check_text(a.text)
         out = Path(a.out) if a.out else None
         if out is not None and out.exists():
             raise ConfigError(f"--out {a.out} exists; name a new file (nothing is overwritten)")
+        if out is not None and not out.parent.is_dir():
+            raise ConfigError(f"--out {a.out}: directory {out.parent} does not exist; create it first or name a file "
+                              f"in an existing directory")
         if a.steps and out is None:
             raise ConfigError("--steps writes a ledger: give --out FILE.jsonl")
         steps = _steps(a.steps) if a.steps else None
@@ -96,7 +119,7 @@ def _answer(ledger, a, steps, document, out) -> int:
     if a.text:
         found = ledger.find_text(a.text)
         if not found:
-            raise DataError(f"--text {a.text!r}: no document of the run's sources holds it")
+            raise DataError(f"--text {_quoted(a.text)}: no document of the run's sources holds it")
         print(f"--text is in {len(found)} document(s): {', '.join(f'{s}:{d}' for s, d in found)}")
         if out is None:
             for source, index in found:

@@ -16,7 +16,7 @@ from pathlib import Path
 from hybridpar.config.cli import parse_command
 from hybridpar.data.indexed import DataError
 from hybridpar.data.preprocess import InputStats, iter_documents
-from hybridpar.data.tokenizer import train_bpe
+from hybridpar.data.tokenizer import bpe_size_error, train_bpe
 from hybridpar.errors import UserError
 from hybridpar.models.config import doc, doc_required
 
@@ -38,8 +38,10 @@ def cli(argv: list[str]) -> int:
         if parsed is None:
             return 0
         a, _ = parsed
-        if a.vocab_size < 512:
-            raise DataError(f"--vocab-size {a.vocab_size}: give at least 512 (256 bytes + merges)")
+        if bpe_size_error(a.vocab_size, ""):
+            raise DataError(bpe_size_error(a.vocab_size, f"--vocab-size {a.vocab_size}"))
+        if Path(a.output).is_dir():
+            raise DataError(f"--output {a.output} is a directory; name the tokenizer.json file to write")
         if Path(a.output).exists() and not a.overwrite:
             raise DataError(f"--output {a.output} exists; pass --overwrite or another path")
         for path in a.input:

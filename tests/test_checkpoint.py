@@ -17,6 +17,7 @@ import torch
 
 from conftest import ROOT, loss_curve, metrics_rows, run_cli, step_rows, user_env
 from hybridpar.checkpoint.dcp import CheckpointError, load_full_model_state, read_trainer_state
+from hybridpar.data.record import of_tensor
 from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint, list_checkpoints, resolve_load_path, step_of
 
 STEPS = 8
@@ -85,6 +86,10 @@ def test_kill_9_and_resume_is_bitwise_exact(kill_point, reference, tmp_path, cac
     # The data position survives the resume: the final checkpoint has consumed steps x global batch samples.
     state = read_trainer_state(checkpoint_dir(run_dir, STEPS))
     history = state.pop("spike_history")  # the spike test's window (train.spike warn): each step's loss and norm
+    # The data record: the resume read what the first start read, so it holds that start alone (hybridpar.data.record).
+    record = of_tensor(state.pop("data_record"), "final checkpoint")
+    assert [(s["from_step"], s["train_batches"], s["allowed_change"]) for s in record] == [(0, STEPS, False)]
+    assert [s["config"]["run"]["dir"] for s in record] == [str(run_dir)]
     assert state == {"step": STEPS, "consumed_samples": STEPS * 8, "skipped": 0, "skip_streak": 0,
                      "skip_windows": [], "rewinds": 0, "lr_scale_until": 0,
                      "exact_bounds": []}  # (parallel.exact_reduction's grids: none outside the mode)

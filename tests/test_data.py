@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import run_cli
+from conftest import launcher, run_cli
 from hybridpar.config.cli import load_config
 from hybridpar.data.corpus import load_builtin_corpus
 from hybridpar.data.dataset import load_data_tokenizer, prepare_builtin, unigram_loss
@@ -83,11 +83,28 @@ def load_builtin_corpus_small():
 
 def test_tokenizer_spec_errors(tmp_path):
     for spec, message in [("sentencepiece", "is not a tokenizer spec"), ("train-bpe:10", "at least 512"),
+                          ("train-bpe:99999999999", "99,999,999,999 tokens is past the 2,097,152 hybridpar trains"),
                           (f"gpt2:{tmp_path}", "holds neither vocab.json"), ("bpe:/nope.json", "no such file"),
                           ("sentencepiece:/nope.model", "no such file")]:
         with pytest.raises(ValueError, match=message):
             load_tokenizer(spec, [], "", tmp_path)
 
+
+
+def test_train_tokenizer_refuses_a_vocabulary_it_cannot_train_and_a_directory(tmp_path, jsonl, capsys):
+    """A size past MAX_BPE_VOCAB aborted the tokenizers trainer (a Rust OOM, exit 134); a directory as --output
+    trained, then failed in Rust. Both are one line before any training, nothing written."""
+    train_tokenizer = launcher("train_tokenizer")
+    (tmp_path / "out").mkdir()
+    for argv, message in [(["--vocab-size", "99999999999", "--output", str(tmp_path / "t.json")],
+                           "error: --vocab-size 99999999999: 99,999,999,999 tokens is past the 2,097,152 hybridpar "
+                           "trains; give a size such as 32000"),
+                          (["--vocab-size", "600", "--output", str(tmp_path / "out"), "--overwrite"],
+                           f"error: --output {tmp_path / 'out'} is a directory; name the tokenizer.json file to write")]:
+        assert train_tokenizer.cli(["--input", str(jsonl), *argv]) == 2
+        out, err = capsys.readouterr()
+        assert err.strip() == message and out == ""
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and not any((tmp_path / "out").iterdir())
 
 
 def test_damaged_tokenizer_files_are_one_line_errors(tmp_path):

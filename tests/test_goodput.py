@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, metrics_rows, run_cli, user_env
+from conftest import ROOT, launcher, metrics_rows, run_cli, user_env
 
 STEPS = 14
 ARGS = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",
@@ -97,7 +97,7 @@ def test_the_parts_add_up_to_the_wall_clock_through_a_rewind_a_kill_and_a_preemp
         out.stderr
 
 
-def test_the_record_by_hand_restart_rewind_skip_and_a_damaged_file(tmp_path):
+def test_the_record_by_hand_restart_rewind_skip_and_a_damaged_file(tmp_path, capsys):
     from hybridpar.training.goodput import Goodput
 
     g = Goodput.begin(tmp_path, 100.0, 0)  # a first start at t = 100 s
@@ -124,6 +124,27 @@ def test_the_record_by_hand_restart_rewind_skip_and_a_damaged_file(tmp_path):
         fresh = Goodput.begin(tmp_path, 500.0, 4)
         assert fresh.first_start == 500.0 and sum(fresh.seconds.values()) == 0, text
         assert len(fresh.notes) == 1 and "is unreadable" in fresh.notes[0], text
+    # Not a record at all: a link to an endless device, a directory, a file past any record's size. Each is a note
+    # and a fresh account, read without loading it (an endless read was a MemoryError); the command says it in one
+    # line and a missing --out directory is refused before the table.
+    goodput = launcher("goodput")
+    (tmp_path / "goodput.json").unlink()
+    for make, why in [(lambda f: f.symlink_to("/dev/zero"), "not a regular file"), (lambda f: f.mkdir(), "not a regular"),
+                      (lambda f: f.write_text(" " * (1 << 20) + "{}"), "larger than 1,048,576 bytes")]:
+        make(tmp_path / "goodput.json")
+        fresh = Goodput.begin(tmp_path, 500.0, 4)
+        assert fresh.first_start == 500.0 and len(fresh.notes) == 1 and why in fresh.notes[0], fresh.notes
+        assert goodput.cli([str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1, err
+        f = tmp_path / "goodput.json"
+        f.rmdir() if f.is_dir() and not f.is_symlink() else f.unlink()
+    g.save(tmp_path, checkpoints=[4])
+    assert goodput.cli([str(tmp_path), "--out", str(tmp_path / "none" / "g.png")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (f"error: --out {tmp_path / 'none' / 'g.png'}: directory {tmp_path / 'none'} "
+                                         f"does not exist; create it first or name a file in an existing directory")
+    assert not (tmp_path / "none").exists()
 
 
 _FULL = """

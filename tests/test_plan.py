@@ -521,3 +521,15 @@ def test_layout_auto_refusals_and_a_layout_that_would_not_fit(capsys):
     assert plan.main([*base, "--model.name", "gpt3-175b", "--parallel.layout", "auto"]) == 2
     err = capsys.readouterr().err
     assert "parallel.layout=auto: no layout of 1 GPU(s) fits" in err and len(err.strip().splitlines()) == 1, err
+    # A batch no data-parallel size divides is the batch's fault, not memory's: 7 GPUs (tp 7 splits no gpt3-6.7b: 32
+    # heads) give dp 7 only; 6 GPUs give dp 6, 3 (tp 2), 2 (tp 3 does not split 32 heads: out) and 1 (tp 6: out).
+    for gpus, batch, message in [(7, 30, "train.global_batch_size 30 is not a multiple of any data-parallel size this "
+                                         "model allows on 7 GPU(s) (7); give a multiple of 7, e.g. 28 or 35"),
+                                 (6, 31, "(3, 6); give a multiple of 3, e.g. 30 or 33")]:
+        assert plan.main([*base, "--cluster.gpus_per_node", str(gpus), "--train.global_batch_size", str(batch),
+                          "--parallel.layout", "auto"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert plan.main([*base, "--top", "-1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == "error: --top -1: give how many ranked layouts to list, 0 (none) or more"

@@ -128,6 +128,8 @@ def test_a_documents_steps_are_a_brute_force_search_of_the_fed_ids(recorded):
 
 @pytest.mark.multiprocess
 def test_the_command_prints_writes_and_refuses(recorded):
+    from hybridpar.checkpoint.layout import checkpoint_dir
+
     tmp, run_dir, web, code, fed, _ = recorded
     out = run_cli(["launch/provenance.py", str(run_dir), "--step", "6"])
     assert out.returncode == 0, out.stderr[-2000:]
@@ -155,13 +157,22 @@ def test_the_command_prints_writes_and_refuses(recorded):
         (["--document", "docs:1"], "error: --document docs:1: the run reads no source of that name"),
         (["--document", "code:12"], "error: --document code:12: code holds documents 0 to 11"),
         (["--step", "1", "--document", "code:1"], "error: give one of --step S, --steps A-B"),
+        (["--step", "0"], "error: --step 0: steps start at 1; give --step 1"),
+        (["--steps", "1-2", "--out", str(tmp / "none" / "x.jsonl")],
+         f"error: --out {tmp / 'none' / 'x.jsonl'}: directory {tmp / 'none'} does not exist; create it first"),
+        (["--text", "abc \udcff"], "error: --text 'abc \\udcff' is not valid UTF-8"),  # (a non-UTF-8 argv byte)
+        (["--text", "zq" * 48_000], "error: --text 'zqzq"),
     ]:
         out = run_cli(["launch/provenance.py", str(run_dir), *argv])
         assert out.returncode == 2 and out.stderr.startswith(message) and len(out.stderr.splitlines()) == 1, \
-            (argv, out.stderr)
-    assert not (tmp / "x.jsonl").exists()
+            (argv, out.stderr[:300])
+        assert len(out.stderr) < 400, out.stderr[:300]  # (a 96,000-character --text is not echoed whole)
+    assert not (tmp / "x.jsonl").exists() and not (tmp / "none").exists()
+    out = run_cli(["launch/provenance.py", str(checkpoint_dir(run_dir, 12)), "--step", "1"])
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {checkpoint_dir(run_dir, 12)} is a checkpoint"), \
+        out.stderr
     out = run_cli(["launch/provenance.py", str(tmp), "--step", "1"])
-    assert out.returncode == 2 and out.stderr.startswith(f"error: {tmp} holds no config.yaml"), out.stderr
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {tmp} holds no checkpoints/"), out.stderr
 
 
 @pytest.mark.multiprocess
@@ -200,3 +211,98 @@ def test_a_blend_skips_batches_at_start_and_on_a_resume(tmp_path):
                    str(tmp_path / "stop")])
     assert out.returncode != 0 and f"data.path reads {code} past its one pass" in out.stderr, out.stderr[-2000:]
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "stop" / "metrics.jsonl").exists()
+
+
+def _check_against_fed(ledger, fed, steps, bins):
+    for step in steps:
+        rows = ledger.step(step)
+        assert [r["sample"] for r in rows] == list(range(len(rows)))
+        for r, ids in zip(rows, _samples(fed[step])):
+            tokens = np.concatenate([bins[r["source"]][d][a:b] for d, a, b in r["documents"]])
+            assert np.array_equal(tokens, ids[:len(tokens)]) and len(ids) - len(tokens) == r.get("pad", 0), (step, r)
+
+
+@pytest.mark.multiprocess
+def test_provenance_reads_the_runs_own_record_not_the_files_a_user_edits(tmp_path):
+    """A plain source (web) trained 4 steps, then resumed onto a blend of web and code with
+    checkpoint.allow_data_change to step 8, every rank's feed recorded: the ledger gives the fed ids of every step,
+    each with the data then in force; still after config.yaml is edited (seed, seq_len, data.path) and
+    skipped_batches.json says other batches were skipped. The code source re-preprocessed under its prefix: the
+    blend's steps are refused in one line naming it (the plain steps still answer), and a resume onto it is refused
+    in one line, writing nothing, unless allowed, which the record keeps."""
+    from hybridpar.audit import open_ledger
+    from hybridpar.data.indexed import IndexedTokens
+    from test_stages import _source_files
+
+    web, code = _source_files(tmp_path, n_docs=(300, 12))
+    run_dir = tmp_path / "run"
+    common = ["--train.global_batch_size", "8", "--train.seq_len", "32", "--logging.interval", "1",
+              "--train.eval_interval", "0", "--train.sample_tokens", "0", "--train.eval_tasks", "",
+              "--train.precision", "fp32", "--logging.wandb.mode", "disabled", "--data.tokenizer", "bytes",
+              "--data.cache_dir", str(tmp_path / "cache"), "--model.n_layers", "1", "--checkpoint.interval", "4",
+              "--run.dir", str(run_dir)]
+    out = run_cli(["tests/feed_recorder.py", str(tmp_path / "fed-a"), "-", *common, "--train.steps", "4",
+                   "--data.path", web])
+    assert out.returncode == 0, out.stderr[-2000:]
+    blend = ["--train.steps", "8", "--data.path", f"0.5 {web} 0.5 {code}"]
+    out = run_cli(["launch/pretrain_gpt.py", *common, *blend])  # (a change of data, not allowed: refused)
+    assert out.returncode == 2 and "checkpoint.allow_data_change" in out.stderr, out.stderr[-2000:]
+    out = run_cli(["tests/feed_recorder.py", str(tmp_path / "fed-b"), "-", *common, *blend,
+                   "--checkpoint.allow_data_change", "true"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    fed = {**_fed(tmp_path / "fed-a"), **_fed(tmp_path / "fed-b")}
+    assert sorted(fed) == list(range(1, 9))
+    bins = {p: IndexedTokens(p) for p in (web, code)}
+
+    def ledgered():
+        with open_ledger(run_dir) as ledger:
+            assert ledger.steps == 8 and [(p.first, p.last) for p in ledger.parts] == [(0, 4), (4, 8)]
+            _check_against_fed(ledger, fed, range(1, 9), bins)
+            assert {r["source"] for s in (5, 6, 7, 8) for r in ledger.step(s)} == {web, code}
+
+    ledgered()
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("seed: 1234", "seed: 99").replace("seq_len: 32", "seq_len: 16")
+                      .replace(f"path: 0.5 {web} 0.5 {code}", f"path: {code}"))
+    (run_dir / "skipped_batches.json").write_text('{"windows": [[2, 3]], "rewinds": 1}')
+    ledgered()
+    # The code source preprocessed again under its prefix (other documents)
+    _source_files(tmp_path / "again", n_docs=(3, 12), seed=5)
+    for ext in (".bin", ".idx"):
+        (tmp_path / "again" / f"code{ext}").replace(f"{code}{ext}")
+    out = run_cli(["launch/provenance.py", str(run_dir), "--step", "6"])
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"error: --step 6: steps 5 to 8 read sources that changed on disk since ({code}: "), \
+        out.stderr
+    assert run_cli(["launch/provenance.py", str(run_dir), "--step", "2"]).returncode == 0
+    out = run_cli(["launch/provenance.py", str(run_dir), "--document", "code:1"])
+    assert out.returncode == 2 and "cannot be known" in out.stderr, out.stderr
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    out = run_cli(["launch/pretrain_gpt.py", *common, *blend[:1], "10", *blend[2:]])
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-2000:]
+    assert f"a data source changed on disk since the run read it ({code}: " in out.stderr, out.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+    allowed = ["launch/pretrain_gpt.py", *common, *blend[:1], "10", *blend[2:], "--checkpoint.allow_data_change",
+               "true"]
+    out = run_cli(allowed)  # the trainer does not believe the edited skipped_batches.json either
+    assert out.returncode == 2 and out.stderr.strip() == (
+        f"error: {run_dir / 'skipped_batches.json'} records skipped batches 2-3, which the checkpoint (step 8, batch "
+        f"8) trained: the file belongs to another history; delete it to resume with the checkpoint's own skipped "
+        f"batches"), out.stderr[-2000:]
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+    (run_dir / "skipped_batches.json").write_text('{"windows": [[9, 100000000000000000000]], "rewinds": 1}')
+    out = run_cli(allowed)
+    assert out.returncode == 2 and out.stderr.startswith(
+        f"error: {run_dir / 'skipped_batches.json'} records skipped batches 9-100000000000000000000, past batch ") \
+        and "the last this run's rewinds can reach" in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    (run_dir / "skipped_batches.json").unlink()
+    out = run_cli(allowed)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from hybridpar.checkpoint.dcp import read_trainer_state
+    from hybridpar.checkpoint.layout import checkpoint_dir
+    from hybridpar.data.record import of_tensor
+
+    record = of_tensor(read_trainer_state(checkpoint_dir(run_dir, 8))["data_record"], "step 8")
+    assert [(s["from_step"], s["allowed_change"]) for s in record] == [(0, False), (4, True)]
+    record = of_tensor(read_trainer_state(checkpoint_dir(run_dir, 10))["data_record"], "step 10")
+    assert [(s["from_step"], s["allowed_change"]) for s in record] == [(0, False), (4, True), (8, True)]

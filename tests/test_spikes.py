@@ -77,6 +77,31 @@ def test_skipped_batches_must_be_ahead_and_fit_the_split():
         assert (why is not None) == refused and (not refused or "batch 6 was trained already" in str(why)), window
 
 
+def test_a_skipped_batches_file_that_is_not_a_rewinds_record_is_refused_naming_it(tmp_path):
+    """Ignored, a damaged skipped_batches.json would let a resume train its batches again: each is a one-line
+    CheckpointError naming the file; an absent file is no skips."""
+    from hybridpar.checkpoint.rewind import read_skipped, write_skipped
+    from hybridpar.errors import CheckpointError
+
+    assert read_skipped(tmp_path) == ([], 0)
+    write_skipped(tmp_path, [(20, 22), (5, 5)], 2)
+    assert read_skipped(tmp_path) == ([(5, 5), (20, 22)], 2)
+    path = tmp_path / "skipped_batches.json"
+    for text, why in [('{"windows": [[20, 22]]', "JSONDecodeError"), ('{"windows": [[3, 2]], "rewinds": 1}', "1 <= a"),
+                      ('{"windows": [[0, 2]], "rewinds": 1}', "1 <= a"), ('{"windows": [[2, 3]], "rewinds": -1}', ">= 0"),
+                      ('{"windows": [[2, 3]], "rewinds": "1"}', ">= 0"), ('{"windows": [[2]], "rewinds": 1}', "ValueError"),
+                      ('{"rewinds": 1}', "KeyError"), ("[" * 100_000, "RecursionError"), (" " * (1 << 20) + "{}", "small")]:
+        path.write_text(text)
+        with pytest.raises(CheckpointError) as e:
+            read_skipped(tmp_path)
+        assert str(e.value).startswith(f"{path} is not a record of skipped batches (") and why in str(e.value), text
+        assert "\n" not in str(e.value) and len(str(e.value)) < 300
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="not a small regular file"):
+        read_skipped(tmp_path)
+
+
 def test_bad_spike_settings_are_one_line_errors():
     with pytest.raises(ValueError, match=r"train.spike='on': use off, warn or rewind"):
         TrainConfig(spike="on")

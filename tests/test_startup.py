@@ -13,6 +13,7 @@ import torch
 
 from conftest import run_cli
 from hybridpar.checkpoint.dcp import load_full_model_state, read_trainer_state
+from hybridpar.data.record import of_tensor
 from hybridpar.checkpoint.layout import checkpoint_dir
 from hybridpar.models import build_model, count_params, get_model_config
 from hybridpar.models.init import TILE_COLS, TILE_ROWS, keyed_normal_
@@ -50,9 +51,12 @@ def _seed_checkpoint(tmp_path, cache_dir, name, layout=None):
     out = run_cli(args)
     assert out.returncode == 0, out.stderr[-3000:]
     ckpt = checkpoint_dir(run_dir, 0)
-    assert read_trainer_state(ckpt) == {"step": 0, "consumed_samples": 0, "skipped": 0, "skip_streak": 0,
-                                        "skip_windows": [], "spike_history": [], "rewinds": 0, "lr_scale_until": 0,
-                                        "exact_bounds": []}
+    state = read_trainer_state(ckpt)
+    record = of_tensor(state.pop("data_record"), str(ckpt))  # the start's data record (hybridpar.data.record)
+    assert [(s["from_step"], s["config"]["train"]["steps"], s["allowed_change"]) for s in record] == [(0, 0, False)]
+    assert state == {"step": 0, "consumed_samples": 0, "skipped": 0, "skip_streak": 0,
+                     "skip_windows": [], "spike_history": [], "rewinds": 0, "lr_scale_until": 0,
+                     "exact_bounds": []}
     return load_full_model_state(ckpt)
 
 

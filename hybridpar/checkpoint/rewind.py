@@ -22,15 +22,26 @@ SKIPPED_FILE = "skipped_batches.json"
 
 
 def read_skipped(run_dir: Path) -> tuple[list[tuple[int, int]], int]:
-    """The windows and rewind count <run_dir>/skipped_batches.json records (none when absent or unreadable)."""
-    try:
-        saved = json.loads((Path(run_dir) / SKIPPED_FILE).read_text())
-        windows = [(int(a), int(b)) for a, b in saved["windows"]]
-        if not all(1 <= a <= b for a, b in windows):
-            raise ValueError(windows)
-        return merge_windows(windows), int(saved["rewinds"])
-    except (OSError, ValueError, KeyError, TypeError):
+    """The windows and rewind count <run_dir>/skipped_batches.json records (none when absent). A file that is not
+    one (damaged, or not written by a rewind) is a one-line CheckpointError naming it: ignored, the batches it holds
+    would be trained again."""
+    from hybridpar.errors import CheckpointError
+
+    path = Path(run_dir) / SKIPPED_FILE
+    if not path.exists():
         return [], 0
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 20:
+            raise ValueError("not a small regular file")
+        saved = json.loads(path.read_bytes())
+        windows = [(int(a), int(b)) for a, b in saved["windows"]]
+        if not all(1 <= a <= b for a, b in windows) or type(saved["rewinds"]) is not int or saved["rewinds"] < 0:
+            raise ValueError("windows a-b need 1 <= a <= b and a rewind count >= 0")
+        return merge_windows(windows), saved["rewinds"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not a record of skipped batches ({type(e).__name__}: {str(e)[:80]}); "
+                              f"restore it, or delete it to resume with the checkpoint's own skipped batches") \
+            from None
 
 
 def write_skipped(run_dir: Path, windows: list[tuple[int, int]], rewinds: int) -> None:

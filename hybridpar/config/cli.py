@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -29,11 +30,14 @@ _TRUE, _FALSE = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 _hints = typing.get_type_hints  # a dataclass's field name -> type
 
 
+_UNIONS = (Union, types.UnionType)
+
+
 def _type_name(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         return " | ".join(map(str, args))
-    if origin is Union:
+    if origin in _UNIONS:
         return " | ".join("None" if a is type(None) else _type_name(a) for a in args)
     if origin is list:
         return f"list[{_type_name(args[0])}]"
@@ -45,7 +49,7 @@ def _convert(key: str, value: Any, tp) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     from_cli = isinstance(value, _CliValue)
     fail = ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}")
-    if origin is Union:  # Optional[X]
+    if origin in _UNIONS:  # Optional[X], X | None
         inner = [a for a in args if a is not type(None)]
         if from_cli and value.strip() in ("", "[]") and any(typing.get_origin(a) is list for a in inner):
             return []  # an empty list given: none (not the default None stands for)

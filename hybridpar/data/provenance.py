@@ -107,6 +107,11 @@ class Ledger:
         if self.own_group and dist.is_initialized():
             dist.destroy_process_group()
 
+    def reads(self, source: str) -> bool:
+        """Whether `source` (a name of data.path or data.stages, its file name, or its prefix) is one of its sources."""
+        prefix = self.sources.get(source) or self.aliases.get(source, source)
+        return prefix in self.sources.values()
+
     def name_of(self, prefix: str) -> str:
         return next((n for n, p in self.sources.items() if p == prefix), prefix)
 

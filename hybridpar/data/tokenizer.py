@@ -155,6 +155,20 @@ def _read(spec: str, path, what: str, load):
                           f"is damaged or of another kind") from None
 
 
+# The largest BPE vocabulary hybridpar trains: 8x the largest of published LLMs (Gemma 3's 262,144 tokens). Past
+# it the tokenizers trainer's allocations abort the process (a Rust OOM, exit 134) instead of raising.
+MAX_BPE_VOCAB = 1 << 21
+
+
+def bpe_size_error(n: int, what: str) -> str:
+    """Why `n` is no BPE vocabulary size to train ('' when it is one), for the setting named `what`."""
+    if n < 512:
+        return f"{what}: give the vocabulary size, at least 512 (256 bytes + merges), e.g. 32000"
+    if n > MAX_BPE_VOCAB:
+        return f"{what}: {n:,} tokens is past the {MAX_BPE_VOCAB:,} hybridpar trains; give a size such as 32000"
+    return ""
+
+
 def train_bpe(docs: Iterable[str], vocab_size: int):
     """Train a byte-level BPE (GPT-2 style: bytes as the initial alphabet, so every text encodes), streaming."""
     from tokenizers import Tokenizer as HFModel, decoders, models, pre_tokenizers, trainers
@@ -191,8 +205,8 @@ def load_tokenizer(spec: str, train_docs: list[str] | None = None, corpus_sha: s
             n = int(arg)
         except ValueError:
             n = 0
-        if n < 512:
-            raise ConfigError(f"data.tokenizer={spec!r}: give the vocabulary size, at least 512, e.g. train-bpe:8192")
+        if bpe_size_error(n, ""):
+            raise ConfigError(bpe_size_error(n, f"data.tokenizer={spec!r}"))
         if train_docs is None:
             raise ConfigError(f"data.tokenizer={spec!r} trains on the built-in corpus only; for your own data run "
                              f"launch/train_tokenizer.py and pass bpe:PATH")

@@ -60,6 +60,30 @@ def candidate_layouts(cfg: Config, world: int, gpus_per_node: int) -> Iterator[C
                         yield c
 
 
+def batch_unfit(cfg: Config, world: int, gpus_per_node: int) -> str:
+    """Why no layout of `world` GPUs can run the config's global batch at all (no data-parallel size of theirs
+    divides it), with the nearest batches that fit; "" when one does."""
+    if next(candidate_layouts(cfg, world, gpus_per_node), None) is not None:
+        return ""
+    from hybridpar.parallel import check_layout
+
+    def allowed(tp: int) -> bool:  # (the model splits tp ways: the batch aside)
+        try:
+            check_layout(cfg, (1, world // tp, tp), gpus_per_node)
+            return True
+        except ValueError:
+            return False
+
+    batch = cfg.train.global_batch_size
+    dps = sorted({world // tp for tp in _divisors(min(world, gpus_per_node)) if world % tp == 0 and allowed(tp)})
+    if dps and all(batch % dp for dp in dps):
+        step = dps[0]
+        near = sorted({max(step, batch // step * step), -(-batch // step) * step})
+        return (f"train.global_batch_size {batch} is not a multiple of any data-parallel size this model allows "
+                f"on {world} GPU(s) ({', '.join(map(str, dps))}); give a multiple of {step}, e.g. {' or '.join(map(str, near))}")
+    return ""
+
+
 def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int = 10) -> list[dict]:
     """The `top` layouts that fit in memory, fastest first."""
     if top <= 0:
@@ -102,6 +126,9 @@ def choose_layout(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, usable:
     (rank_layouts, timed with `gpu`'s figures), and the two best rows (choice, runner-up). ConfigError when none fits."""
     rows = rank_layouts(cfg, world, gpus_per_node, replace(gpu, memory_gib=usable / GIB + RESERVED_GIB), top=2)
     if not rows:
+        unfit = batch_unfit(cfg, world, gpus_per_node)
+        if unfit:
+            raise ConfigError(f"parallel.layout=auto: {unfit}")
         raise ConfigError(f"parallel.layout=auto: no layout of {world} GPU(s) fits this model and batch in "
                           f"{usable / GIB:.1f} GiB per GPU; add GPUs, lower train.global_batch_size or shrink the model")
     best = rows[0]

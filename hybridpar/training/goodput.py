@@ -118,19 +118,28 @@ class Goodput:
                                 "resumes from the latest complete checkpoint)") or e
 
 
+MAX_BYTES = 1 << 20
+
+
 def _read(run_dir: Path, notes: list[str]) -> dict | None:
     path = Path(run_dir) / FILE
     if not path.exists():
         return None
     try:
-        saved = json.loads(path.read_text())
+        if not path.is_file():
+            raise ValueError("not a regular file")
+        with open(path, "rb") as f:  # (a record is a few hundred bytes: a larger file is not one)
+            text = f.read(MAX_BYTES + 1)
+        if len(text) > MAX_BYTES:
+            raise ValueError(f"larger than {MAX_BYTES:,} bytes")
+        saved = json.loads(text)
         numbers = [saved["first_start"], saved["last_seen"], *saved["seconds"].values(),
                    *saved["productive_at"].values()]
         if not all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in numbers) or not all(
                 k.isdigit() for k in saved["productive_at"]) or saved["last_seen"] < saved["first_start"]:
             raise ValueError("a value that is not a time")
         return saved
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         notes.append(f"warning: {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); the time accounting "
                      f"starts again from this start")
         return None
