@@ -68,7 +68,8 @@ def _keep_metrics_until(path: Path, step: int) -> None:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("step", 0) <= step:
+        at = row.get("step", 0) if isinstance(row, dict) else None
+        if type(at) is int and at <= step:  # (a row whose step is no step is not the run's: dropped)
             rows.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(r + "\n" for r in rows))

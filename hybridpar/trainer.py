@@ -14,7 +14,6 @@ until a log step.
 from __future__ import annotations
 
 import math
-import shutil
 import socket
 import time
 from contextlib import nullcontext
@@ -27,7 +26,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from hybridpar.checkpoint.layout import checkpoint_dir, is_complete, latest_checkpoint, list_checkpoints, step_of
+from hybridpar.checkpoint.layout import (checkpoint_dir, is_complete, latest_checkpoint, list_checkpoints,
+                                        remove_step_dir, step_of)
 from hybridpar.checkpoint.rewind import plan_rewind, rerun_verdict, write_skipped
 from hybridpar.config import merge_windows
 from hybridpar.data.dataset import build_training_data
@@ -451,7 +451,7 @@ class Trainer:
         if self.rank == 0:
             for p in list_checkpoints(self.run_dir):
                 if step_of(p) > target:
-                    shutil.rmtree(p)
+                    remove_step_dir(p)
         dist.barrier()
 
     # -- a loss spike: back to a checkpoint, its batches skipped (train.spike=rewind) ---------------------------

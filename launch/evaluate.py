@@ -79,15 +79,22 @@ def main(a, cfg, own_data: bool) -> dict:
         if max_len > run.cfg.model.max_seq_len:
             raise ConfigError(f"--max-len {max_len} exceeds the model's context of {run.cfg.model.max_seq_len} "
                               f"tokens (model.max_seq_len)")
-        scorer = Scorer(loaded.model, loaded.mesh, run.device, loaded.tokenizer, max_len, a.batch_size,
-                        loaded.autocast, run.layout.tp if run.cfg.parallel.sequence_parallel else 1)
         rank0 = dist.get_rank() == 0
+
+        def progress(done: int, total: int) -> None:
+            if rank0:
+                print(f"  {done:,} of {total:,} forwards", file=sys.stderr, flush=True)
+
+        scorer = Scorer(loaded.model, loaded.mesh, run.device, loaded.tokenizer, max_len, a.batch_size,
+                        loaded.autocast, run.layout.tp if run.cfg.parallel.sequence_parallel else 1, progress)
         if rank0:
             print(f"model {run.cfg.model.name} from {loaded.source.path} | mesh "
                   f"{dict(zip(loaded.mesh.mesh_dim_names, loaded.mesh.shape))} | {run.device} "
                   f"({run.cfg.train.precision}) | window {max_len} tokens, batch {a.batch_size}", flush=True)
         results = {}
         for task in tasks:
+            if rank0:
+                print(f"{task.name}: scoring {len(task.examples):,} examples ...", file=sys.stderr, flush=True)
             results[task.name] = m = run_task(task, scorer)
             if rank0:
                 print(f"{task.name} ({task.kind.replace('_', ' ')}, {m['examples']} examples, {m['seconds']:.1f}s): "
@@ -115,8 +122,13 @@ def cli(argv: list[str]) -> int:
             return 0
         main(*parsed)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # (every rank meets the same error: said once)
+            print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted: evaluation stopped (--json not written)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -57,6 +57,9 @@ def parse(argv: list[str]):
         raise ConfigError(f"--seed {a.seed} must be in [0, 2**63) (a torch generator's seed)")
     if a.prompts_file:
         path = Path(a.prompts_file)
+        if path.exists() and not path.is_file():
+            raise ConfigError(f"--prompts-file {a.prompts_file!r} is not a regular file; give a text file with one "
+                              f"prompt per line")
         size = path.stat().st_size if path.is_file() else 0
         if size > MAX_PROMPTS_BYTES:
             raise ConfigError(f"--prompts-file {a.prompts_file!r} holds {size:,} bytes, over {MAX_PROMPTS_BYTES:,}: "

@@ -18,7 +18,8 @@ import torch
 from conftest import ROOT, loss_curve, metrics_rows, run_cli, step_rows, user_env
 from hybridpar.checkpoint.dcp import CheckpointError, load_full_model_state, read_trainer_state
 from hybridpar.data.record import of_tensor
-from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint, list_checkpoints, resolve_load_path, step_of
+from hybridpar.checkpoint.layout import (checkpoint_dir, is_complete, latest_checkpoint, list_checkpoints,
+                                        resolve_load_path, step_of)
 
 STEPS = 8
 COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", "8", "--train.seq_len", "64",
@@ -125,6 +126,28 @@ def test_incomplete_saves_are_never_used(reference, tmp_path):
     assert resolve_load_path(str(run_dir)) == checkpoint_dir(run_dir, 4)
     with pytest.raises(CheckpointError, match="was not completed"):
         resolve_load_path(str(partial))
+
+
+def test_a_step_dir_that_links_out_of_the_run_is_unlinked_never_followed(tmp_path):
+    """A link under checkpoints/ is no save of the run: latest_checkpoint passes it by, and the cleanups (a cut-off
+    save's, keep_last's, a rewind's) remove the link, not what it leads to (rmtree refused a link: every start
+    failed on it)."""
+    from hybridpar.checkpoint.layout import remove_step_dir
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "COMPLETE").write_text("step 4\n")  # (what a finished save's marker holds)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    link = checkpoint_dir(run_dir, 6)
+    link.symlink_to(outside, target_is_directory=True)
+    assert latest_checkpoint(run_dir) is None and is_complete(link)
+    remove_step_dir(link)
+    assert not link.exists() and not link.is_symlink() and (outside / "COMPLETE").exists()
+    shutil.copytree(outside, checkpoint_dir(run_dir, 2))
+    remove_step_dir(checkpoint_dir(run_dir, 2))
+    remove_step_dir(checkpoint_dir(run_dir, 8))  # (absent: nothing to do)
+    assert list((run_dir / "checkpoints").iterdir()) == []
 
 
 def test_resume_with_another_thread_count_says_it_is_not_bitwise(reference, tmp_path, cache_dir):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import launcher, run_cli
+from conftest import ROOT, launcher, run_cli, user_env
 from hybridpar.config.cli import load_config
 from hybridpar.errors import ConfigError
 from hybridpar.inference.evaluate import Scorer, run_task, vocab_parallel_logprobs
@@ -108,6 +108,18 @@ def test_scorer_equals_a_direct_computation_and_lm_evals_rolling_windows():
         theirs = [make_disjoint_window(w) for w in get_rolling_token_windows(doc, 0, 16, 1)]
         assert [((c + t)[-17:], t) for c, t in ours] == [((c + t)[-17:], t) for c, t in theirs]
         assert sum(len(t) for _, t in ours) == 50
+        # A long scoring says how far it is: with the interval below 0, before every forward,
+        # with the forwards done of the total (11 requests in batches of 3: 4 forwards), the numbers unchanged.
+        import hybridpar.inference.evaluate as evaluate_module
+
+        seen = []
+        counting = Scorer(model, scorer.mesh, torch.device("cpu"), scorer.tok, 16, 3, progress=lambda *a: seen.append(a))
+        was, evaluate_module.PROGRESS_S = evaluate_module.PROGRESS_S, -1.0
+        try:
+            assert counting.loglikelihood(pairs) == got
+        finally:
+            evaluate_module.PROGRESS_S = was
+        assert seen == [(0, 4), (1, 4), (2, 4), (3, 4)]
     finally:
         dist.destroy_process_group()
 
@@ -466,6 +478,26 @@ def test_evaluate_launcher_refuses_bad_input_with_one_line(tmp_path, cache_dir, 
                    str(run_dir), "--train.eval_tasks", str(tmp_path / "nope.jsonl")])
     assert out.returncode == 2 and "nope.jsonl' does not exist" in out.stderr and not run_dir.exists(), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # Under torchrun every rank meets a bad task file: it is said once.
+    out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/evaluate.py", *base,
+                   "--tasks", str(tmp_path / "broken.jsonl")])
+    assert out.returncode != 0 and out.stderr.count("broken.jsonl:1: context must be text") == 1, out.stderr[-3000:]
+    # Ctrl-C while scoring (a task of 3,000 examples): a line, exit 130, no traceback and no --json file.
+    import signal
+    import subprocess
+
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"context": f"w{i} and", "choices": [" a", " b c"], "label": i % 2}) + "\n"
+                           for i in range(3000)))
+    proc = subprocess.Popen([sys.executable, "launch/evaluate.py", *base, "--tasks", str(big), "--json",
+                             str(tmp_path / "r.json")], cwd=ROOT, env=user_env(), stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    assert first.startswith("big: scoring 3,000 examples"), first
+    proc.send_signal(signal.SIGINT)
+    err = first + proc.stderr.read()
+    assert proc.wait(timeout=120) == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted: evaluation stopped (--json not written)", err
+    assert not (tmp_path / "r.json").exists()
 
 
 @pytest.mark.multiprocess  # importing lm-eval starts a process (huggingface_hub)

@@ -141,11 +141,20 @@ def test_generate_launcher_streams_batches_runs_under_torchrun_and_refuses_bad_i
     shutil.copytree(ckpt, bad_model)
     text = (bad_model / "config.yaml").read_text()
     (bad_model / "config.yaml").write_text(text.replace("n_layers: 2", "n_layers: 3"))
+    other_tok = tmp_path / "bpe"  # the same weights, saved with a BPE tokenizer instead of the bytes one
+    shutil.copytree(ckpt, other_tok)
+    (other_tok / "tokenizer.txt").unlink(missing_ok=True)
+    from hybridpar.data.tokenizer import train_bpe
+
+    train_bpe([f"text {i} of a tiny corpus, {i * i}" for i in range(300)], 600).save(str(other_tok / "tokenizer.json"))
     generate_cli, args = launcher("generate").cli, base[1:]
     capsys.readouterr()
     for argv, message in [(args + ["x" * 80], "prompt 1 is 80 tokens; it must hold 1 to 63 tokens"),
                           ([str(tmp_path / "none"), "x"], "does not exist"),
                           ([str(bad_model), "x", "--tokenizer", "bytes"], "holds a different model"),
+                          ([str(other_tok), "x", "--tokenizer", "bytes"],
+                           f"--tokenizer bytes is not the tokenizer {other_tok} was trained with (bpe:"),
+                          (args + ["x", "--prompts-file", "/dev/zero"], "'/dev/zero' is not a regular file"),
                           (args + ["x", "--model.n_layers", "3"], "the model is the checkpoint's"),
                           (args + ["x", "--top-p", "0"], "0 < top_p <= 1")]:
         assert generate_cli(argv) == 2, argv

@@ -189,6 +189,8 @@ def test_bad_data_errors(tmp_path):
         IndexedTokens(corrupt("version", lambda d: d.__setitem__(slice(9, 17), struct.pack("<Q", 2))))
     with pytest.raises(DataError, match="unknown dtype code 42"):
         IndexedTokens(corrupt("dtype", lambda d: d.__setitem__(17, 42)))
+    with pytest.raises(DataError, match="lists no document boundaries"):  # (megatron-core: IndexError on it)
+        IndexedTokens(corrupt("nodocs", lambda d: d.__setitem__(slice(26, 34), struct.pack("<Q", 0))))
     short = tmp_path / "short"
     (tmp_path / "short.idx").write_bytes((tmp_path / "good.idx").read_bytes())
     (tmp_path / "short.bin").write_bytes((tmp_path / "good.bin").read_bytes()[:-10])
@@ -255,3 +257,25 @@ def test_negative_token_ids_are_refused(tmp_path):
     (tmp_path / "neg.bin").write_bytes(bytes(data))
     with pytest.raises(DataError, match=r"neg.bin holds token id -3: token ids are >= 0"):
         IndexedTokens(prefix).check_vocab(256, 256)
+
+
+@pytest.mark.multiprocess
+def test_an_index_past_the_memory_is_one_line(tmp_path, cache_dir):
+    """train.steps 15,000,000 of the built-in corpus passes the sample-count bound (5.4 GiB of sample index), but
+    megatron-core's document index (passes x documents, 2 x 8 bytes each while it is built) wants 10.4 GiB: under a
+    5 GB address-space limit that was a MemoryError traceback. Now one line naming the split, its size and the fix,
+    exit 2, no run dir."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, user_env
+
+    run_dir = tmp_path / "run"
+    out = subprocess.run(["bash", "-c", f"ulimit -v 5000000; exec {sys.executable} launch/pretrain_gpt.py --train.steps "
+                          f"15000000 --logging.wandb.mode disabled --data.cache_dir {cache_dir} --run.dir {run_dir}"],
+                         cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
+    assert out.stderr.startswith("error: megatron-core's index of the train split (480,000,000 samples of 128 tokens "
+                                 "over ") and "did not fit in memory" in out.stderr, out.stderr
+    assert out.stderr.strip().endswith("lower train.steps, or add data so fewer passes are needed")
+    assert not run_dir.exists()

@@ -211,3 +211,25 @@ def test_hostile_and_unsupported_megatron_saves_are_refused(saves, tmp_path, cap
                           str(tmp_path / "g" / "out")])
     assert rc == 2 and "not empty" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "g" / "out").iterdir()] == ["keep.txt"]
+
+
+def test_a_damaged_iteration_tracker_is_one_line(tmp_path):
+    """latest_checkpointed_iteration.txt holds a number or "release": 5,000 digits (int() refuses past 4,300), a word,
+    an endless file and a missing iter directory are each a CheckpointError naming what to pass instead."""
+    from hybridpar.checkpoint.safe_load import CheckpointError
+    from hybridpar.interop.megatron import resolve_iteration_dir
+
+    (tmp_path / "iter_0000042").mkdir()
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("42\n")
+    assert resolve_iteration_dir(tmp_path) == tmp_path / "iter_0000042"
+    for text, message in [("9" * 5000, "holds '9999"), ("note", "holds 'note', not an iteration number"),
+                          ("٤٢", "not an iteration number"), ("7", r"iter_0000007 does not exist \(found: iter_0000042\)")]:
+        tracker.write_text(text)
+        with pytest.raises(CheckpointError, match=message) as e:
+            resolve_iteration_dir(tmp_path)
+        assert "\n" not in str(e.value) and len(str(e.value)) < 300
+    tracker.unlink()
+    tracker.symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="latest_checkpointed_iteration.txt is not a regular file; pass"):
+        resolve_iteration_dir(tmp_path)

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 
 from hybridpar.checkpoint.layout import (MARKER, STEP_DIR, checkpoint_dir, is_complete, latest_checkpoint,
-                                         list_checkpoints, step_of)
+                                         list_checkpoints, remove_step_dir, step_of)
 from hybridpar.checkpoint.resume_checks import check_model_config, data_changes, data_key
 from hybridpar.checkpoint.safe_load import (CheckpointError, SafeEmptyLoadPlanner, SafeLoadPlanner, SafeReader,
                                             exceptions_in, plain_tensors, read_metadata,
@@ -112,8 +112,8 @@ class Checkpointer:
         W&B id (a resume logs into the same W&B run)."""
         self.wait()  # one save in flight at a time
         path = checkpoint_dir(self.run_dir, step)
-        if dist.get_rank() == 0 and path.exists():  # a save of this step that was cut off earlier
-            shutil.rmtree(path)
+        if dist.get_rank() == 0:  # a save of this step that was cut off earlier (or a link in its place)
+            remove_step_dir(path)
         dist.barrier()
         position = {k: v if isinstance(v, torch.Tensor) else torch.tensor(v) for k, v in
                     {**position, "step": step, "data_key": data_key(self.cfg)}.items()}
@@ -144,7 +144,10 @@ class Checkpointer:
         if os_error is None and not full:
             return e
         if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)
+            try:
+                remove_step_dir(path)
+            except OSError:
+                pass
         latest = latest_checkpoint(self.run_dir)
         reason = ("no space left" if os_error is None or os_error.errno in (errno.ENOSPC, errno.EDQUOT)
                   else os.strerror(os_error.errno))
@@ -184,12 +187,12 @@ class Checkpointer:
         tmp.write_text(f"step {step_of(path)}\n")
         tmp.rename(path / MARKER)
         for old in list_checkpoints(self.run_dir)[:-self.keep_last]:
-            shutil.rmtree(old)
+            remove_step_dir(old)
         # Incomplete saves older than the newest complete one can never be used: clear them too.
         newest = step_of(path)
         for p in (self.run_dir / "checkpoints").iterdir():
             if STEP_DIR.fullmatch(p.name) and not is_complete(p) and step_of(p) < newest:
-                shutil.rmtree(p, ignore_errors=True)
+                remove_step_dir(p)
 
     def poll(self) -> None:
         """Complete an async save once its writes have finished on every rank (called between steps; one small

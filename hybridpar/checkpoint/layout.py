@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 from hybridpar.checkpoint.safe_load import CheckpointError
@@ -34,6 +35,14 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     done = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
             and is_complete(p)]  # a link is not a save of this run (it may lead anywhere)
     return sorted(done, key=step_of)
+
+
+def remove_step_dir(path: Path) -> None:
+    """Delete a step directory of the run: a link is unlinked, never followed (what it leads to is not the run's)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

@@ -145,10 +145,11 @@ class TrainConfig:
                   eval_tasks_batch_size=self.eval_tasks_batch_size)
         if not 0 <= self.seed < 2**32:  # numpy's and megatron-core's seed range
             raise ValueError(f"train.seed={self.seed} must be in [0, 2**32)")
-        if self.grad_clip < 0 or self.eval_interval < 0 or self.sample_tokens < 0 or self.sample_temperature < 0 \
-                or self.eval_tasks_interval < 0:
-            raise ValueError("train.grad_clip, eval_interval, eval_tasks_interval, sample_tokens and "
-                             "sample_temperature must be >= 0")
+        negative = [f"train.{k}={getattr(self, k)}" for k in ("grad_clip", "eval_interval", "eval_tasks_interval",
+                                                               "sample_tokens", "sample_temperature")
+                    if getattr(self, k) < 0]
+        if negative:
+            raise ValueError(f"{', '.join(negative)}: must be >= 0")
 
 
 MAX_LR = 10.0  # above any peak learning rate that trains (AdamW ~1e-4..1e-2, Muon ~0.02)

@@ -148,6 +148,10 @@ def _build(blend, split: str, fractions, seq_len: int, seed: int, tokenizer, num
             size = blend_size(parts, blend, n_samples) if name == "train" and n_samples is not None else n_samples
             out[name] = parts[0] if len(parts) == 1 else BlendedDataset(parts, [w for w, _ in blend], size, config)
             check_index_values(out[name])
+    except MemoryError as e:  # (its document index is passes x documents: short documents make it the largest)
+        raise DataError(f"megatron-core's index of the {name} split ({n_samples:,} samples of {seq_len} tokens over "
+                        f"{', '.join(f'{len(low[p]):,} documents of {p}' for _, p in blend)}) did not fit in memory "
+                        f"({str(e)[:80]}); lower train.steps, or add data so fewer passes are needed") from None
     except ValueError as e:
         if "pickle" not in str(e):
             raise

@@ -174,16 +174,17 @@ class IndexedTokens:
                 raise DataError(f"{ip}: sequence {i} points at byte {int(pointers[i])}, but the sizes before it "
                                 f"put it at {int(want[i - lo])}; {fix}")
             expect = int(want[-1] + s[-1] * item)
-        if len(docs):
-            if docs[0] != 0 or docs[-1] != len(sizes):
-                raise DataError(f"{ip}: document boundaries run from {int(docs[0])} to {int(docs[-1])}, not from 0 to "
-                                f"the {len(sizes)} sequences; {fix}")
-            for lo in range(0, len(docs) - 1, chunk):
-                step = np.diff(docs[lo:lo + chunk + 1])
-                if (step < 0).any():
-                    i = lo + 1 + int(np.argmax(step < 0))
-                    raise DataError(f"{ip}: document boundary {i} ({int(docs[i])}) is below the one before it "
-                                    f"({int(docs[i - 1])}); {fix}")
+        if not len(docs):  # (Megatron's index lists at least the boundary 0; megatron-core indexes docs[0])
+            raise DataError(f"{ip} lists no document boundaries (a Megatron index starts with boundary 0); {fix}")
+        if docs[0] != 0 or docs[-1] != len(sizes):
+            raise DataError(f"{ip}: document boundaries run from {int(docs[0])} to {int(docs[-1])}, not from 0 to "
+                            f"the {len(sizes)} sequences; {fix}")
+        for lo in range(0, len(docs) - 1, chunk):
+            step = np.diff(docs[lo:lo + chunk + 1])
+            if (step < 0).any():
+                i = lo + 1 + int(np.argmax(step < 0))
+                raise DataError(f"{ip}: document boundary {i} ({int(docs[i])}) is below the one before it "
+                                f"({int(docs[i - 1])}); {fix}")
         return expect
 
     def __len__(self) -> int:

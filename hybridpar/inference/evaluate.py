@@ -55,12 +55,16 @@ def vocab_parallel_logprobs(logits, targets: torch.Tensor, tp_group=None) -> tup
     return torch.where(valid, logprob, 0.0), valid & (picked >= top)
 
 
+PROGRESS_S = 10.0  # a long scoring says how far it is this often
+
+
 class Scorer:
     def __init__(self, model: nn.Module, mesh, device: torch.device, tokenizer, max_len: int, batch_size: int = 16,
-                 autocast=nullcontext, pad_multiple: int = 1):
+                 autocast=nullcontext, pad_multiple: int = 1, progress=None):
         """Scores with `model` (parallelised over `mesh`) in windows of max_len tokens, batch_size sequences a
-        forward. pad_multiple: sequence parallelism's tp (every length divides by it)."""
-        self.model, self.mesh, self.device, self.tok = model, mesh, device, tokenizer
+        forward. pad_multiple: sequence parallelism's tp (every length divides by it). progress(done, total):
+        called with the forwards done of a request list's total every PROGRESS_S seconds of a long one."""
+        self.model, self.mesh, self.device, self.tok, self.progress = model, mesh, device, tokenizer, progress
         self.max_len, self.batch_size, self.autocast, self.pad_multiple = max_len, batch_size, autocast, pad_multiple
         self.dp_rank, self.dp = dp_rank_size(mesh)
         self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
@@ -103,8 +107,12 @@ class Scorer:
         results = torch.zeros(len(pairs), 2, dtype=torch.float64, device=self.device)
         was_training = self.model.training
         self.model.eval()
+        rounds, shown = -(-len(batches) // self.dp), time.perf_counter()
         try:
-            for r in range(-(-len(batches) // self.dp)):  # every rank the same number of forwards (FSDP)
+            for r in range(rounds):  # every rank the same number of forwards (FSDP)
+                if self.progress is not None and time.perf_counter() - shown > PROGRESS_S:
+                    self.progress(r, rounds)
+                    shown = time.perf_counter()
                 k = r * self.dp + self.dp_rank
                 mine = batches[k] if k < len(batches) else batches[0][:1]  # a spare rank repeats a request, unused
                 ll, greedy = self._score(mine, seqs, pairs)

@@ -48,19 +48,27 @@ def find_source(path: str) -> Source:
 
 def source_tokenizer(src: Source, spec: str | None = None):
     """The tokenizer saved with the checkpoint (tokenizer.json, tokenizer.model or tokenizer.txt), else `spec`,
-    else the config's data.tokenizer when it names files rather than training on the corpus."""
+    else the config's data.tokenizer when it names files rather than training on the corpus. A `spec` that encodes
+    otherwise than the saved tokenizer is refused (a one-line ConfigError)."""
+    from hybridpar.checkpoint.layout import optional_file_of
     from hybridpar.data.tokenizer import load_tokenizer
 
-    if spec:
-        return load_tokenizer(spec)
-    from hybridpar.checkpoint.layout import optional_file_of
-
+    found = None
     for name, kind in (("tokenizer.json", "bpe"), ("tokenizer.model", "sentencepiece")):
         path = optional_file_of(src.path, name)  # never through a link out of the checkpoint
         if path is not None:
-            return load_tokenizer(f"{kind}:{path}")
-    if (src.path / "tokenizer.txt").is_file():
-        return load_tokenizer("bytes")
+            found = load_tokenizer(f"{kind}:{path}")
+            break
+    if found is None and (src.path / "tokenizer.txt").is_file():
+        found = load_tokenizer("bytes")
+    if spec:
+        given = load_tokenizer(spec)
+        if found is not None and given.fingerprint != found.fingerprint:
+            raise ConfigError(f"--tokenizer {spec} is not the tokenizer {src.path} was trained with ({found.spec}, "
+                              f"saved with it): its ids would mean other text; drop --tokenizer")
+        return given
+    if found is not None:
+        return found
     saved = (src.saved.get("data") or {}).get("tokenizer", "")
     if saved and not str(saved).startswith("train-bpe"):
         return load_tokenizer(saved)

@@ -229,12 +229,14 @@ def resolve_iteration_dir(path: Path, iteration: int | None = None) -> Path:
     if iteration is None:
         tracker = path / "latest_checkpointed_iteration.txt"
         if not tracker.is_file():
-            raise CheckpointError(f"--megatron {path} has no latest_checkpointed_iteration.txt; pass --iteration N "
-                                  f"or an iter_XXXXXXX directory")
-        text = tracker.read_text().strip()
+            what = "is not a regular file" if tracker.exists() else "does not exist"
+            raise CheckpointError(f"--megatron {path}: its latest_checkpointed_iteration.txt {what}; pass --iteration "
+                                  f"N or an iter_XXXXXXX directory")
+        with open(tracker, "rb") as f:  # (Megatron-LM writes a number or "release": a few bytes)
+            text = f.read(64).decode(errors="replace").strip()
         if text == "release":
             return path / "release"
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit() and len(text) <= 18):
             raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration number; pass --iteration N")
         iteration = int(text)
     out = path / f"iter_{iteration:07d}"
