@@ -199,6 +199,23 @@ def check_sample_count(cfg: Config) -> None:
                       f"rank's memory (at most {SAMPLE_INDEX_LIMIT / 2**30:.0f} GiB); {fix}")
 
 
+# Validation is a fixed set read into memory at start (hybridpar.data.dataset.validation_batches): its inputs and
+# targets, int64, at every evaluation. Past this it is minutes of silent reading before step 1.
+EVAL_SET_LIMIT = 2 * 2**30
+
+
+def check_eval_size(cfg: Config) -> None:
+    t = cfg.train
+    if not t.eval_interval:
+        return
+    per_batch = t.global_batch_size * t.seq_len * 2 * 8  # (spread over the data-parallel ranks; bounded as a whole)
+    if t.eval_batches * per_batch > EVAL_SET_LIMIT:
+        raise ConfigError(f"train.eval_batches={t.eval_batches:,} x train.global_batch_size={t.global_batch_size} x "
+                          f"train.seq_len={t.seq_len} is a validation set of {t.eval_batches * per_batch / 2**30:,.1f} "
+                          f"GiB held in memory and read at every evaluation; use --train.eval_batches "
+                          f"{EVAL_SET_LIMIT // per_batch} or fewer")
+
+
 def _stage_plan(cfg: Config, tp: int) -> StagePlan | None:
     """data.stages parsed (their syntax, order and ramps checked) for the global batch size, each stage's sequence
     length checked against the model and sequence parallelism; None without stages."""
@@ -265,6 +282,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         dp_replicate, dp_shard, tp = resolve_degrees(cfg.parallel, world.world_size, world.local_world_size)  # 2
     layout = Layout(dp_replicate, dp_shard, tp)
     check_sample_count(cfg)
+    check_eval_size(cfg)
     stages = _stage_plan(cfg, tp)
     parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     train = replace(cfg.train, precision=precision_for(cfg, device), eval_tasks=eval_tasks_for(cfg))  # 3

@@ -159,9 +159,11 @@ def test_task_metrics_equal_a_hand_computation(tmp_path):
 
 def test_acc_norm_divides_by_characters_and_continuations_are_encoded_in_context(tmp_path):
     """With a BPE tokenizer, where a choice's characters and tokens differ (lm-eval's conventions: encode context +
-    continuation and score the tokens after the context's; acc_norm divides by characters). The reference is a
-    plain forward of each whole sequence, summed here over the continuation's positions; on this model dividing by
-    tokens picks other answers, so a scorer that did would fail."""
+    continuation, take the tokens after the context's own encoding, feed context + those; acc_norm divides by
+    characters), and where merges cross the boundary (the split then differs from encoding the two apart). The
+    reference is lm-eval's own _encode_pair and a plain forward of each sequence, summed here over the
+    continuation's positions; on this model dividing by tokens picks other answers, so a scorer that did would
+    fail."""
     from hybridpar.data.tokenizer import HFTokenizer, train_bpe
     from hybridpar.models import build_model, get_model_config
     from hybridpar.parallel.distributed import init_mesh
@@ -171,7 +173,20 @@ def test_acc_norm_divides_by_characters_and_continuations_are_encoded_in_context
     tok = HFTokenizer(train_bpe(docs, 400), "bpe:test")
     examples = [{"context": "the wor", "choices": ["d", "d of the which", "k", "ds are"], "label": 1},
                 {"context": "for an", "choices": [" have but", " at", "d with", " from the"], "label": 0},
-                {"context": "it wa", "choices": ["y of that", " not", "y", " be"], "label": 3}]
+                {"context": "it wa", "choices": ["y of that", " not", "y", " be"], "label": 3},
+                # merges across the boundary: "it is th" + "e of" encodes as [it, is, the, of], not [.., th, e, of]
+                {"context": "it is th", "choices": ["e of", "at of", "is on", "ere for"], "label": 1}]
+    crossing = [(e["context"], c) for e in examples for c in e["choices"]
+                if tok.encode(e["context"]) + tok.encode(c) != tok.encode(e["context"] + c)]
+    assert len(crossing) >= 3, crossing  # (the test can tell a scorer that encodes the two apart)
+    from lm_eval.api.model import TemplateLM
+
+    class _Theirs:  # lm-eval's own split of a pair, on this tokenizer (a causal model's convention)
+        backend = "causal"
+
+        def tok_encode(self, text, **_):
+            return tok.encode(text)
+
     (tmp_path / "mc.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -182,21 +197,23 @@ def test_acc_norm_divides_by_characters_and_continuations_are_encoded_in_context
         got = run_task(read_task(tmp_path / "mc.jsonl"), scorer)
         acc = acc_norm = differs = 0
         for e in examples:
-            ctx = tok.encode(e["context"])
             lls, n_tokens = [], []
             for c in e["choices"]:
-                whole = tok.encode(e["context"] + c)
+                ctx, cont = TemplateLM._encode_pair(_Theirs(), e["context"], c)  # what lm-eval feeds: ctx + cont
+                whole = ctx + cont
                 with torch.no_grad():
                     logp = model(torch.tensor([whole])).float().log_softmax(-1)[0]  # (T, V)
                 lls.append(sum(float(logp[i - 1, whole[i]]) for i in range(len(ctx), len(whole))))
                 n_tokens.append(len(whole) - len(ctx))
+            assert [scorer.encode_pair(e["context"], c) for c in e["choices"]] == [
+                TemplateLM._encode_pair(_Theirs(), e["context"], c) for c in e["choices"]]
             want = [v for v, _ in scorer.loglikelihood([scorer.encode_pair(e["context"], c) for c in e["choices"]])]
             assert all(abs(a - b) < 1e-5 for a, b in zip(want, lls)), (want, lls)  # request by request
             by_chars = max(range(4), key=lambda i: lls[i] / len(e["choices"][i]))
             acc += max(range(4), key=lambda i: lls[i]) == e["label"]
             acc_norm += by_chars == e["label"]
             differs += by_chars != max(range(4), key=lambda i: lls[i] / n_tokens[i])
-        assert (got["acc"], got["acc_norm"]) == (acc / 3, acc_norm / 3)
+        assert (got["acc"], got["acc_norm"]) == (acc / 4, acc_norm / 4)
         assert differs >= 1  # the test can tell characters from tokens
     finally:
         dist.destroy_process_group()
@@ -221,8 +238,11 @@ LAYOUTS = {"tp": ["--parallel.tp", "2"], "tp+sp": ["--parallel.tp", "2", "--para
                                                                "1"]}
 PROMPTS = [[72, 101, 108, 108, 111], [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98], [65]]
 # 11 (context, continuation) requests of distinct lengths: 3 batches of 4, which 2 data-parallel ranks do not divide
-# (one rank scores a spare batch and throws it away); each request is compared, not only the metrics they make.
-REQUESTS = [(PROMPTS[1][:1 + i % 9], PROMPTS[1][1 + i % 9:][:1 + i % 3] or [32]) for i in range(11)]
+# (one rank scores a spare batch and throws it away); each request is compared, not only the metrics they make. The
+# last three continue with bytes 200-255, ids that live on the last tp rank (tp 2 of the 384-token vocabulary: rows
+# 192-383), which ASCII text never reaches.
+REQUESTS = [(PROMPTS[1][:1 + i % 9], PROMPTS[1][1 + i % 9:][:1 + i % 3] or [32]) for i in range(8)] + [
+    (PROMPTS[0], [200, 230]), ([65, 66], [255]), ([250, 251, 252, 72], [201, 33, 222])]
 
 
 def _everything(ckpt: str, argv: list[str], tasks: dict) -> dict:
@@ -291,6 +311,7 @@ def test_every_layout_generates_the_same_tokens_and_scores_the_same_numbers(tmp_
                 for task, metric in (("cloze", "ppl"), ("text", "bits_per_byte"), ("text", "word_perplexity")):
                     assert abs(got[task][metric] - want[task][metric]) <= 1e-5 * abs(want[task][metric]), where
                 assert len(got["requests"]) == len(REQUESTS) == 11, where
+                assert sum(t >= 192 for _, cont in REQUESTS for t in cont) == 5
                 for (ll, greedy), (want_ll, want_greedy) in zip(got["requests"], want["requests"]):
                     assert greedy == want_greedy and abs(ll - want_ll) <= 1e-5 * abs(want_ll), where
 

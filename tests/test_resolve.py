@@ -171,6 +171,18 @@ def test_a_sample_count_the_data_layer_cannot_index_is_refused_at_once(tmp_path,
         resolve(cfg, WorldInfo(0, 1, 0, 1), CPU)
     ok = load_config(["--data.cache_dir", str(cache_dir), "--train.steps", "22369621"])
     assert resolve(ok, WorldInfo(0, 1, 0, 1), CPU).cfg.train.steps == 22369621
+    # A validation set held in memory past 2 GiB (it was minutes of silent reading): by hand, a batch of 32 x 128
+    # tokens as int64 inputs and targets is 65,536 bytes, so 2 GiB holds 32,768 batches.
+    for batches, refused in [("100000", True), ("32769", True), ("32768", False)]:
+        cfg = load_config(["--data.cache_dir", str(cache_dir), "--train.eval_batches", batches])
+        if refused:
+            with pytest.raises(ConfigError, match=rf"^train.eval_batches={int(batches):,} x "
+                                                  r"train.global_batch_size=32 x train.seq_len=128 is a validation "
+                                                  r"set of .* GiB held in memory .*; use --train.eval_batches 32768 "
+                                                  r"or fewer$"):
+                resolve(cfg, WorldInfo(0, 1, 0, 1), CPU)
+        else:
+            assert resolve(cfg, WorldInfo(0, 1, 0, 1), CPU).cfg.train.eval_batches == 32768
 
 
 def test_stray_entries_in_checkpoints_are_not_saves(tmp_path, cache_dir):
@@ -255,3 +267,19 @@ def test_every_config_field_that_a_component_reads_arrives(cache_dir):
     got = json.loads(out.stdout.strip().splitlines()[-1])
     for (args, expr, want), value in zip(ARRIVALS, got):
         assert value == pytest.approx(want) if isinstance(want, float) else value == want, (args, expr, value)
+
+
+def test_a_resume_keeps_the_metrics_rows_up_to_its_checkpoint_and_no_row_without_a_step(tmp_path):
+    """The killed run's rows past the checkpoint go, and a torn last line; a row whose step is no integer (a note a
+    person added: {"step": "note"} was a TypeError on every resume) is no row of the run's steps and goes too."""
+    import json
+
+    from hybridpar.session import _keep_metrics_until
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"config": 1}, {"step": 1, "loss": 2.0}, {"step": "note"}, {"step": 2.5}, {"step": 4, "loss": 1.0},
+            {"step": 5, "loss": 0.5}, ["a", "list"], {"step": True}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "lo')
+    _keep_metrics_until(path, 4)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"config": 1}, {"step": 1, "loss": 2.0},
+                                                                           {"step": 4, "loss": 1.0}]

@@ -205,3 +205,49 @@ def test_a_command_line_mistake_is_said_once_not_once_per_rank(mistake, said, tm
     ours = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
     assert ours == [said], out.stderr[-3000:]
     assert out.returncode != 0 and "exitcode  : 2" in out.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_session_puts_back_the_handlers_it_found_and_a_finished_run_does_nothing(tmp_path, cache_dir, capsys):
+    """In this process (no warm world to put the handlers back behind it): the session's stop handlers replace the
+    caller's while it trains and the caller's are back after it, on success and after an error. The same command
+    again on the run that finished at train.steps says so, trains nothing and writes nothing."""
+    import signal
+
+    from hybridpar.config.cli import load_config
+    from hybridpar.session import STOP_SIGNALS, Session
+
+    def mine(*_):
+        pass
+
+    before = {s: signal.signal(s, mine) for s in STOP_SIGNALS}
+    run_dir = tmp_path / "run"
+    cfg = load_config(["--model.n_layers", "1", "--train.steps", "2", "--checkpoint.interval", "2",
+                       "--train.global_batch_size", "8", "--train.seq_len", "32", "--train.eval_interval", "0",
+                       "--train.sample_tokens", "0", "--logging.wandb.mode", "disabled", "--data.cache_dir",
+                       str(cache_dir), "--run.dir", str(run_dir)])
+    try:
+        with Session() as s:
+            trainer, _, _ = s.start(cfg)
+            s.catch_signals()
+            assert all(signal.getsignal(x) is not mine for x in STOP_SIGNALS)
+            s.open_run_dir([], 0.0)
+            trainer.fit()
+        assert all(signal.getsignal(x) is mine for x in STOP_SIGNALS)
+        with pytest.raises(RuntimeError, match="an error inside"):
+            with Session() as s:
+                s.start(cfg)
+                s.catch_signals()
+                raise RuntimeError("an error inside")
+        assert all(signal.getsignal(x) is mine for x in STOP_SIGNALS)
+        files = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+        capsys.readouterr()
+        with Session() as s:
+            s.start(cfg)
+            assert s.finished()
+        assert capsys.readouterr().out.strip().endswith(
+            "the run is already at step 2 (step_00000002), at or past train.steps=2: nothing to train, nothing "
+            "written; raise --train.steps to continue it")
+        assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == files
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)

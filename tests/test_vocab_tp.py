@@ -60,7 +60,7 @@ def test_tp_that_does_not_divide_the_vocabulary_trains_the_single_process_model(
     assert sorted(ref) == [1, 2, 3, 4, 5, 6] and ("eval/mc/acc" in {k for _, k in ref_evals})
     assert len(ref_sample) > 20
 
-    # tp 3 (86, 86, 85 rows; with sequence parallelism) for the whole run, tp 4 (65, 64, 64, 64; without) for three
+    # tp 3 (86, 86, 85 rows; with sequence parallelism) for the whole run, tp 4 (65, 65, 65, 62; without) for three
     # steps: from step 1 the same curve, validation losses and task scores, and (tp 3) the same sampled text
     for name, nproc, steps, extra in (("tp3", 3, 6, ["--parallel.tp", "3"]),
                                       ("tp4", 4, 3, ["--parallel.tp", "4", "--parallel.sequence_parallel", "false"])):
