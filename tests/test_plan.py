@@ -437,6 +437,33 @@ def test_accumulation_auto_and_mfu_by_hand():
     assert GPUS["h100"].peak_tflops == 989.4
     assert plan["mfu"] == pytest.approx(plan["tokens_per_sec"] * 798_031_872 / (8 * 989.4e12), rel=1e-12)
     assert plan["tokens_per_sec"] == pytest.approx(64 * 1024 / plan["step_time_s"], rel=1e-12)
+    # MFU on 16 GPUs as 2 replicas x 4 shards x tp 2: every GPU of the world counts, not the data-parallel ranks
+    wide = step_time(replace(cfg, train=replace(cfg.train, global_batch_size=128)), Layout(2, 4, 2), GPUS["h100"], 8)
+    assert wide["mfu"] == pytest.approx(wide["tokens_per_sec"] * 798_031_872 / (16 * 989.4e12), rel=1e-12)
+    assert wide["tokens_per_sec"] == pytest.approx(128 * 1024 / wide["step_time_s"], rel=1e-12)
+
+
+def test_hsdp_replica_all_reduce_by_hand():
+    """gpt2-124m, 2 replicas x 8 shards on 2 nodes of 8 H100s: HSDP adds one fp32 all-reduce of each rank's gradient
+    shard (N / 8 elements, 4 bytes) across the 2 replicas, a ring's 2 (r - 1) / r = 1 times those bytes over the
+    inter-node link (the H100 system's 400 Gb/s NDR per GPU: 50 GB/s, at the planner's link efficiency). The same
+    shards without replicas (one node, half the batch: the same microbatches a rank) lack exactly that term; on a
+    node of 16 (one NVLink domain) the replicas' all-reduce runs at NVLink's 450 GB/s (NVLink 4, one direction)."""
+    from hybridpar.planning.cost import GPUS, LINK_EFFICIENCY, step_time
+
+    n = 124_475_904
+    base = ["--model.name", "gpt2-124m", "--train.micro_batch_size", "2", "--train.seq_len", "1024",
+            "--train.precision", "bf16"]
+    h100 = GPUS["h100"]
+    assert (h100.internode_gbps, h100.nvlink_gbps) == (50.0, 450.0)
+    hsdp = step_time(load_config([*base, "--train.global_batch_size", "64"]), Layout(2, 8, 1), h100, 8)
+    alone = step_time(load_config([*base, "--train.global_batch_size", "32"]), Layout(1, 8, 1), h100, 8)
+    shard_bytes = n / 8 * 4
+    assert hsdp["fsdp_comm_s"] - alone["fsdp_comm_s"] == pytest.approx(shard_bytes / (50e9 * LINK_EFFICIENCY),
+                                                                      rel=1e-9)
+    one_node = step_time(load_config([*base, "--train.global_batch_size", "64"]), Layout(2, 8, 1), h100, 16)
+    assert one_node["fsdp_comm_s"] - alone["fsdp_comm_s"] == pytest.approx(shard_bytes / (450e9 * LINK_EFFICIENCY),
+                                                                          rel=1e-9)
 
 
 def test_published_rows_beside_their_plans():
@@ -533,3 +560,48 @@ def test_layout_auto_refusals_and_a_layout_that_would_not_fit(capsys):
     assert plan.main([*base, "--top", "-1"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.strip() == "error: --top -1: give how many ranked layouts to list, 0 (none) or more"
+
+
+def test_the_ranked_layouts_are_an_enumeration_written_here_filtered_and_sorted():
+    """gpt2-124m (12 heads) on 2 nodes of 8 H100s, batch 64 x 1024: every layout listed here by hand from the rules
+    (tp within a node dividing the heads: 1, 2, 4; replicas up to the node count; each micro-batch dividing the
+    per-rank batch; 3 checkpointing modes; full_shard, shard_grad_op and a node-sized reshard where it divides the
+    shard group; both accumulation modes where a step has several microbatches), each costed with the planner's
+    memory and time, those that fit sorted fastest first: rank_layouts gives exactly that list, unsharded
+    accumulation rows among them, and layout auto takes its first row."""
+    from itertools import product
+
+    from hybridpar.planning.cost import GPUS, step_time
+    from hybridpar.planning.layouts import choose_layout, rank_layouts
+
+    cfg = load_config(["--model.name", "gpt2-124m", "--train.global_batch_size", "64", "--train.seq_len", "1024",
+                       "--train.precision", "bf16"])
+    h100, world, per_node, batch = GPUS["h100"], 16, 8, 64
+    rows = []
+    for tp, rep in product((1, 2, 4), (1, 2)):
+        dp = world // tp
+        shard = dp // rep
+        for micro in [m for m in range(1, batch // dp + 1) if (batch // dp) % m == 0]:
+            node = per_node // tp
+            strategies = ["full_shard", "shard_grad_op"] + ([node] if 1 < node < shard and shard % node == 0 else [])
+            for ac, strategy, unsharded in product(("none", "selective", "full"), strategies,
+                                                   (True, False) if micro * dp < batch else (False,)):
+                c = replace(cfg, parallel=replace(cfg.parallel, tp=tp, dp_replicate=rep, dp_shard=shard,
+                                                  fsdp_strategy=strategy, accumulate_unsharded=unsharded),
+                            train=replace(cfg.train, micro_batch_size=micro, activation_checkpointing=ac, ac_every=1))
+                layout = Layout(rep, shard, tp)
+                total = memory(c, layout)["total_bytes_per_gpu"]
+                if total <= h100.usable_bytes:
+                    est = step_time(c, layout, h100, per_node)
+                    rows.append((-round(est["tokens_per_sec"], 6), -micro, total / GIB, rep, shard, tp, ac,
+                                 str(strategy), unsharded))
+    rows.sort(key=lambda r: r[:3])
+    assert len(rows) > 100 and any(r[-1] for r in rows[:20])
+    got = rank_layouts(cfg, world, per_node, h100, top=10 ** 6)
+    assert [(-round(r["tokens_per_sec"], 6), -r["micro_batch_size"], r["total_gib"], r["dp_replicate"],
+             r["dp_shard"], r["tp"], r["activation_checkpointing"], str(r["fsdp_strategy"]),
+             r["accumulate_unsharded"]) for r in got] == rows
+    chosen, _ = choose_layout(cfg, world, per_node, h100, h100.usable_bytes)
+    p, t = chosen.parallel, chosen.train
+    assert (p.dp_replicate, p.dp_shard, p.tp, t.activation_checkpointing, t.micro_batch_size) == \
+        (rows[0][3], rows[0][4], rows[0][5], rows[0][6], -rows[0][1])
