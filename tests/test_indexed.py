@@ -239,6 +239,64 @@ def test_a_prefix_preprocessed_again_gets_fresh_index_caches(tmp_path):
 
 
 
+def test_the_index_cache_guard_checks_every_file_to_its_bound(tmp_path):
+    """Each index file megatron-core caches, damaged one value past its bound, is refused on the next build with a
+    one-line DataError naming the file: a train document id of the valid split (a leak that trains on validation
+    text), a sample boundary at the document index's end, a token offset at its document's end, boundaries that go
+    back, a shuffle id one past the samples, a blend part one past the parts, a part's sample one past its length.
+    The values at the bound itself load (the guard is not stricter than megatron-core's own indexes)."""
+    from hybridpar.data.index_cache import check_index_values
+
+    a, b = _write(tmp_path / "a", _docs(120, seed=1)), _write(tmp_path / "b", _docs(60, seed=2))
+    args = ("90,10,0", (0.9, 0.1, 0.0), 16, 3, ByteTokenizer(), 256, {"train": 300, "valid": 10}, tmp_path / "cache")
+    plain = build_gpt_datasets(*open_blend(a), *args)["train"]
+    check_index_values(plain)
+    assert int(plain.document_index.max()) == 107 and len(plain.indices) == 108  # (the split: documents 0-107)
+
+    def files(suffix):
+        return sorted((tmp_path / "cache" / "megatron-index").rglob(f"*{suffix}"))
+
+    def refused(path, edit, message, source=a):
+        good = path.read_bytes()
+        values = np.load(path)
+        edit(values)
+        np.save(path, values)
+        try:
+            with pytest.raises(DataError, match=message) as e:
+                build_gpt_datasets(*open_blend(source), *args)
+            assert str(path) in str(e.value) and "\n" not in str(e.value)
+        finally:
+            path.write_bytes(good)
+
+    [doc] = files("GPTDataset-train-document_index.npy")
+    [sample] = files("GPTDataset-train-sample_index.npy")
+    [shuffle] = files("GPTDataset-train-shuffle_index.npy")
+    n_docs, n_samples = len(plain.document_index), len(plain.sample_index)
+    refused(doc, lambda v: v.__setitem__(5, 108), r"holds document ids outside \[0, 108\)")
+    refused(sample, lambda v: v.__setitem__((n_samples - 1, 0), n_docs), "holds document positions outside")
+    lengths = IndexedTokens(a).sequence_lengths
+    refused(sample, lambda v: v.__setitem__((1, 1), lengths[plain.document_index[v[1, 0]]]),
+            "a token offset past its document's end")
+    refused(sample, lambda v: v.__setitem__([1, 2], v[[2, 1]]), "sample boundaries that go back")
+    refused(shuffle, lambda v: v.__setitem__(0, n_samples - 1), r"holds sample ids outside \[0, ")
+    # at the bounds themselves, a cache loads: the split's last document, the last sample id
+    for path, edit in ((doc, lambda v: v.__setitem__(5, 107)), (shuffle, lambda v: v.__setitem__(0, n_samples - 2))):
+        good = path.read_bytes()
+        values = np.load(path)
+        edit(values)
+        np.save(path, values)
+        build_gpt_datasets(*open_blend(a), *args)
+        path.write_bytes(good)
+    blend = build_gpt_datasets(*open_blend(f"0.5 {a} 0.5 {b}"), *args)["train"]
+    check_index_values(blend)
+    [parts] = files("BlendedDataset-train-dataset_index.npy")
+    [picks] = files("BlendedDataset-train-dataset_sample_index.npy")
+    refused(parts, lambda v: v.__setitem__(0, 2), r"holds parts outside \[0, 2\)", f"0.5 {a} 0.5 {b}")
+    first = int(blend.dataset_index[0])
+    refused(picks, lambda v: v.__setitem__(0, len(blend.datasets[first])), "holds samples outside",
+            f"0.5 {a} 0.5 {b}")
+
+
 def test_a_zero_document_index_is_refused_alone_and_in_a_blend(tmp_path):
     """An .idx of no documents (what preprocessing an input of empty records writes, with a warning): megatron-core
     would look for an epoch with tokens forever. One line names the prefix, alone or as one part of a blend."""

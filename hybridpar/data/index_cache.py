@@ -70,6 +70,9 @@ def check_index_files(directory: Path) -> None:
                             f"truncated or damaged; {FIX}")
 
 
+CHUNK = 1 << 22  # sample boundaries checked this many at a time (bounded memory on a run of 10^9 samples)
+
+
 def _in_range(values, low: int, high: int, path: str, what: str) -> None:
     if len(values) and (int(values.min()) < low or int(values.max()) >= high):
         raise DataError(f"index cache {path} holds {what} outside [{low}, {high}): it is damaged; {FIX}")
@@ -94,10 +97,22 @@ def check_index_values(dataset) -> None:
             check_index_values(part)
         return
     docs, samples, shuffle = dataset.document_index, dataset.sample_index, dataset.shuffle_index
-    _in_range(docs, 0, len(dataset.dataset), _file(dataset, "document_index"), "document ids")
-    if len(samples):
-        _in_range(samples[:, 0], 0, len(docs), _file(dataset, "sample_index"), "document positions")
-        _in_range(samples[:, 1], 0, 1 << 62, _file(dataset, "sample_index"), "token offsets")
+    ids = np.asarray(dataset.indices)  # the split's documents (one contiguous range): another split's never leak in
+    low, high = (int(ids[0]), int(ids[-1]) + 1) if len(ids) else (0, 0)
+    _in_range(docs, low, high, _file(dataset, "document_index"), "document ids")
+    lengths, where = dataset.dataset.sequence_lengths, _file(dataset, "sample_index")
+    last = None  # a sample boundary is a (document position, token offset inside that document), never going back
+    for lo in range(0, len(samples), CHUNK):
+        rows = np.asarray(samples[lo:lo + CHUNK], dtype=np.int64)
+        _in_range(rows[:, 0], 0, len(docs), where, "document positions")
+        _in_range(rows[:, 1], 0, 1 << 62, where, "token offsets")
+        if ((rows[:, 1] > 0) & (rows[:, 1] >= lengths[docs[rows[:, 0]]])).any():  # (offset 0: an empty first doc)
+            raise DataError(f"index cache {where} holds a token offset past its document's end: it is damaged; {FIX}")
+        ahead = rows if last is None else np.concatenate([last, rows])
+        moved, shifted = np.diff(ahead[:, 0]), np.diff(ahead[:, 1])
+        if ((moved < 0) | ((moved == 0) & (shifted <= 0))).any():
+            raise DataError(f"index cache {where} holds sample boundaries that go back: it is damaged; {FIX}")
+        last = rows[-1:]
     _in_range(shuffle, 0, max(len(samples) - 1, 0), _file(dataset, "shuffle_index"), "sample ids")
 
 
