@@ -94,7 +94,8 @@ def test_object_arrays_wrong_types_truncation_and_damaged_values_are_refused(sou
         (sample, lambda p: np.save(p, np.zeros(8, np.int32)), "holds dtype int32, shape (8,), where megatron-core "
                                                                "writes int32/int64 of rank 2"),
         (doc, lambda p: p.write_bytes(good_doc[:-7]), "bytes, its header says"),
-        (doc, lambda p: np.save(p, np.load(_copy(good_doc, tmp_path)) + 10_000), "holds document ids outside [0, 190)"),  # (the train split: 190 of 200)
+        (doc, lambda p: np.save(p, np.load(_copy(good_doc, tmp_path)) + 10_000),
+         "holds document ids outside [0, 190)"),  # (the train split: 190 of the 200 documents)
     ]
     for path, poison, message in cases:
         poison(path)
