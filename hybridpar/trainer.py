@@ -122,6 +122,7 @@ class Trainer:
 
             names = {id(p): plain_name(n) for n, p in self.model.named_parameters()}
             self.exact = ExactGradients(self.model, mesh, names)
+        self.exact_replays = 0  # steps parallel.exact_reduction replayed on a coarser grid since this start (logged)
         self.evaluator = Evaluator(cfg, self.model, mesh, device, self.tokenizer, self.numerics, self.data, tasks,
                                    self._dp_sum, self._poll_stop)
         self.checkpointer, self.copies = checkpointer, copies if copies is not None else HostCopies(0)
@@ -305,6 +306,7 @@ class Trainer:
             done, self.state.exact_bounds = self.exact.finish()
             if done:
                 break
+            self.exact_replays += 1
             torch.manual_seed(cfg.train.seed * 1_000_003 + step)  # the replay draws what the first pass drew
         local = None
         if cfg.spike.rerun != "off":  # this rank's own numbers, for a rerun to compare with
@@ -697,6 +699,8 @@ class Trainer:
                "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
                "data_time": min(1.0, self.take_data_wait() / elapsed), "consumed_tokens": step * tokens_per_step,
                "skipped_steps": self.state.skipped, "batch_crc32": self.batch_crc32, **staged}
+        if self.exact is not None:
+            row["exact_replays"] = self.exact_replays
         if self.peak_tflops:
             row["mfu"] = tflops / self.peak_tflops
         if self.peak_fp8_tflops:

@@ -124,24 +124,32 @@ def test_killed_on_4_ranks_resumed_on_2_then_preempted_and_requeued_on_1_is_bitw
     import torch
 
     from conftest import children, kill_job, step_rows
-    from hybridpar.checkpoint.dcp import load_full_model_state
+    from hybridpar.checkpoint.dcp import load_full_model_state, read_trainer_state
     from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint, step_of
+    from hybridpar.parallel.exact import quantum_of
 
     extra = ["--train.steps", "8"]
     full = tmp_path / "full"
     _launch(4, cache_dir, full, *extra)
     want = step_rows(full)
     assert sorted(want) == list(range(1, 9))
+    # The first step has no grid yet and is replayed once; the grids it and each later step measure hold the next
+    # (gradients do not grow 256x in a step here): one replay in 8 steps, not one a step (a grid too fine).
+    assert [want[s]["exact_replays"] for s in range(1, 9)] == [1] * 8
 
     def same(run_dir, steps):
         got = step_rows(run_dir)
         for step in steps:
             assert (got[step]["loss"], got[step]["grad_norm"]) == (want[step]["loss"], want[step]["grad_norm"]), \
                 (run_dir.name, step)
+        # a resume continues on the checkpoint's grids: no replay after step 3 (without them its first step would)
+        assert all(got[step]["exact_replays"] == 0 for step in steps if step > 3), (run_dir.name, got)
         for step in (6, 8):
             if (checkpoint_dir(run_dir, step) / "COMPLETE").exists():
                 a, b = (load_full_model_state(checkpoint_dir(d, step)) for d in (run_dir, full))
                 assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in b), (run_dir.name, step)
+                grids = [read_trainer_state(checkpoint_dir(d, step))["exact_bounds"] for d in (run_dir, full)]
+                assert torch.equal(*map(torch.as_tensor, grids)), (run_dir.name, step)
 
     broken = tmp_path / "broken"
     agent = _start(4, cache_dir, broken, lambda d: (checkpoint_dir(d, 3) / "COMPLETE").exists(), *extra)
@@ -149,6 +157,7 @@ def test_killed_on_4_ranks_resumed_on_2_then_preempted_and_requeued_on_1_is_bitw
     assert latest_checkpoint(broken) == checkpoint_dir(broken, 3)  # (killed before its step-6 save)
     alone = tmp_path / "alone"
     shutil.copytree(checkpoint_dir(broken, 3), checkpoint_dir(alone, 3))
+    grid3 = torch.as_tensor(read_trainer_state(checkpoint_dir(alone, 3))["exact_bounds"]).tolist()
 
     logged = (broken / "metrics.jsonl").read_text().count('"step": 4,')  # (the killed run may have logged step 4)
     agent = _start(2, cache_dir, broken, lambda d: (d / "metrics.jsonl").read_text().count('"step": 4,') > logged,
@@ -165,6 +174,11 @@ def test_killed_on_4_ranks_resumed_on_2_then_preempted_and_requeued_on_1_is_bitw
 
     _launch(1, cache_dir, alone, *extra)
     same(alone, range(4, 9))
+    # The grids moved while the run went on, across the resume: some parameter's quantum (a power of two of its
+    # bound) differs between the step-3 checkpoint and the step-8 one, and the resumed runs still match bitwise.
+    q3, q8 = ([quantum_of(b) for b in grid] for grid in
+              (grid3, torch.as_tensor(read_trainer_state(checkpoint_dir(full, 8))["exact_bounds"]).tolist()))
+    assert len(q3) == len(q8) and any(a != b for a, b in zip(q3, q8)), (q3, q8)
 
 
 def test_the_grid_sums_exactly_replays_a_step_that_outgrew_it_and_passes_a_nan_on():

@@ -190,3 +190,21 @@ def test_a_full_file_system_stops_the_record_with_one_line_and_keeps_the_last(tm
     assert out["error"].startswith(f"writing {mnt / 'goodput.json'}: no space left on device; free space there")
     assert "\n" not in out["error"] and out["kept"] and out["files"] == ["filler", "goodput.json"]
 
+
+
+@pytest.mark.multiprocess
+def test_data_wait_is_the_time_a_slow_loader_took(tmp_path, cache_dir):
+    """A train loader that sleeps 0.25 s in each step's fetch (tests/slow_loader.py): the record's data_wait is the
+    6 steps' 1.5 s (at least that; the real fetch adds milliseconds), and it is not counted productive: productive
+    plus data_wait is at most the steps' logged time."""
+    run_dir = tmp_path / "run"
+    out = run_cli(["tests/slow_loader.py", "0.25", "--train.steps", "6", "--train.global_batch_size", "8",
+                   "--train.seq_len", "32", "--logging.interval", "1", "--train.eval_interval", "0",
+                   "--train.sample_tokens", "0", "--train.eval_tasks", "", "--model.n_layers", "1",
+                   "--logging.wandb.mode", "disabled", "--data.cache_dir", str(cache_dir), "--run.dir", str(run_dir)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    s = json.loads((run_dir / "goodput.json").read_text())["seconds"]
+    assert 1.5 <= s["data_wait"] <= 1.5 + 6 * 0.05, s
+    rows = [r for r in metrics_rows(run_dir) if "loss" in r]
+    assert len(rows) == 6 and all(r["data_time"] * r["step_time"] >= 0.25 * 0.99 for r in rows), rows
+    assert s["productive"] + s["data_wait"] <= sum(r["step_time"] for r in rows) + 0.05, s
