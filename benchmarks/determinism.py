@@ -1,9 +1,11 @@
 """Run-to-run determinism of a training process on this machine, and what could move a step's loss.
 
-  python benchmarks/determinism.py fresh --runs 40 --concurrent 3 [--hogs 2] [--env OMP_NUM_THREADS=8]
-      Starts --runs fresh training processes (the kill/resume test's command: tiny GPT, 8 steps of 8 x 64 tokens,
-      fp32, checkpoints every 2 steps), --concurrent at a time, optionally beside --hogs busy-looping processes and
-      with extra environment variables, and compares every step's (loss, grad_norm, batch_crc32) bit for bit.
+  python benchmarks/determinism.py fresh --runs 40 --concurrent 3 [--hogs 2] [--env OMP_NUM_THREADS=8] [--case staged]
+      Starts --runs fresh training processes, --concurrent at a time, optionally beside --hogs busy-looping processes
+      and with extra environment variables, and compares every step's (loss, grad_norm, batch_crc32) bit for bit.
+      --case kill-resume (default): the kill/resume test's command (tiny GPT, 8 steps of 8 x 64 tokens, fp32,
+      checkpoints every 2 steps). --case staged: test_stages' staged run (two byte-token sources written here, four
+      stages with a ramp and a 64-token stage, 12 steps of 8 sequences, evaluation at steps 6 and 12).
       Prints how many distinct curves it saw and where the first one differs; exit 1 if more than one.
 
   python benchmarks/determinism.py sensitivity
@@ -33,10 +35,30 @@ ARGS = ["--train.steps", "8", "--train.global_batch_size", "8", "--train.seq_len
         "--checkpoint.interval", "2", "--checkpoint.keep_last", "3", "--logging.wandb.mode", "disabled"]
 
 
+def staged_args(work: Path) -> list[str]:
+    """test_stages' staged config over two sources written into work (its _source_files, with the same seed)."""
+    import numpy as np
+
+    from hybridpar.data.indexed import IndexedWriter
+
+    rng, (web, code) = np.random.default_rng(0), (str(work / "web"), str(work / "code"))
+    for prefix, lo, hi in ((web, 1, 128), (code, 128, 256)):
+        with IndexedWriter(prefix, np.uint16) as w:
+            for _ in range(300):
+                w.add_document(np.append(rng.integers(lo, hi, int(rng.integers(20, 200))), 0).astype(np.uint16))
+    stages = [f"0: {web}", f"3 ramp 3: 0.5 {web} 0.5 {code}", f"61s: 0.25 {web} 0.75 {code}", f"10 seq 64: {code}"]
+    return ["--train.steps", "12", "--train.global_batch_size", "8", "--train.seq_len", "32", "--logging.interval",
+            "1", "--train.eval_interval", "6", "--train.eval_batches", "1", "--train.eval_tasks", "",
+            "--train.sample_tokens", "0", "--train.precision", "fp32", "--checkpoint.interval", "2",
+            "--checkpoint.keep_last", "10", "--logging.wandb.mode", "disabled", "--data.tokenizer", "bytes",
+            "--data.stages", ",".join(stages)]
+
+
 def fresh(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="hybridpar-determinism-"))
     env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.env))
-    base = [sys.executable, "launch/pretrain_gpt.py", *ARGS, "--data.cache_dir", str(work / "cache")]
+    config = staged_args(work) if args.case == "staged" else ARGS
+    base = [sys.executable, "launch/pretrain_gpt.py", *config, "--data.cache_dir", str(work / "cache")]
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
     curves: dict[tuple, list[int]] = {}
     running: list[tuple[subprocess.Popen, Path, int]] = []
@@ -61,7 +83,9 @@ def fresh(args) -> int:
                     return 2
                 proc.stderr.close()
                 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-                curve = tuple((r["step"], r["loss"].hex(), r["grad_norm"].hex(), r["batch_crc32"]) for r in rows)
+                curve = tuple((r["step"], r["loss"].hex(), r["grad_norm"].hex(), r["batch_crc32"]) if "loss" in r
+                              else (r["step"], "val_loss", r["val_loss"].hex()) for r in rows
+                              if "loss" in r or "val_loss" in r)
                 curves.setdefault(curve, []).append(i)
                 shutil.rmtree(run_dir)
             time.sleep(0.05)
@@ -74,11 +98,12 @@ def fresh(args) -> int:
             proc.wait()
         shutil.rmtree(work, ignore_errors=True)
     print(f"{args.runs} fresh processes, {args.concurrent} at a time, {args.hogs} busy loop(s), env {args.env or '-'}: "
-          f"{len(curves)} distinct curve(s) of (loss, grad_norm, batch_crc32) over 8 steps, {time.time() - t0:.0f}s")
+          f"case {args.case}: {len(curves)} distinct curve(s) of (loss, grad_norm, batch_crc32; val_loss) over every step, "
+          f"{time.time() - t0:.0f}s")
     ranked = sorted(curves.items(), key=lambda kv: -len(kv[1]))
     for curve, runs in ranked[1:]:
-        first = next(a for a, b in zip(curve, ranked[0][0]) if a != b)
-        print(f"  runs {runs} differ first at step {first[0]}: {first} vs {ranked[0][0][first[0] - 1]}")
+        first, ref = next((a, b) for a, b in zip(curve, ranked[0][0]) if a != b)
+        print(f"  runs {runs} differ first at step {first[0]}: {first} vs {ref}")
     return 0 if len(curves) == 1 else 1
 
 
@@ -153,6 +178,7 @@ def main() -> int:
     f.add_argument("--concurrent", type=int, default=2)
     f.add_argument("--hogs", type=int, default=0, help="busy-looping processes beside the runs")
     f.add_argument("--env", nargs="*", default=[], help="extra environment, e.g. OMP_NUM_THREADS=8")
+    f.add_argument("--case", choices=("kill-resume", "staged"), default="kill-resume")
     sub.add_parser("sensitivity", help="how far the first step's loss moves under small changes")
     args = p.parse_args()
     return {"fresh": fresh, "sensitivity": sensitivity}[args.cmd](args)

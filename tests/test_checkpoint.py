@@ -161,13 +161,48 @@ def test_resume_with_another_thread_count_says_it_is_not_bitwise(reference, tmp_
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(checkpoint_dir(ref_dir, 4), checkpoint_dir(run_dir, 4))
-    out = run_cli(_args(cache_dir, run_dir), env={**user_env(), "OMP_NUM_THREADS": str(other)})
+    env = {**user_env(), "OMP_NUM_THREADS": str(other), "MKL_CBWR": "OFF"}  # and MKL's reproducible mode off
+    out = run_cli(_args(cache_dir, run_dir), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "note: MKL_CBWR=OFF leaves MKL's matmuls free to round differently from one process to the next" in out.stdout
     assert (f"note: step_00000004 was written by a CPU run with {was} intra-op threads and this one has {other}: "
             f"the curve continues to rounding, not bitwise (OMP_NUM_THREADS={was} resumes it exactly)") in out.stdout
     got = loss_curve(run_dir)
     assert sorted(got) == list(range(5, STEPS + 1))
     assert all(abs(got[s] - ref_losses[s]) <= 1e-5 * ref_losses[s] for s in got), (got, ref_losses)
+
+
+@pytest.mark.multiprocess
+def test_importing_hybridpar_puts_mkl_in_its_reproducible_mode_before_its_first_call():
+    """MKL reads MKL_CBWR and MKL_DYNAMIC at its first call: a fresh interpreter that imports hybridpar (not
+    torch first) runs its first GEMM strict and without dynamic threads, as MKL itself reports; a user's value
+    stays; without hybridpar, MKL's default (CNR:OFF, Dyn:1) is what a process gets."""
+    if not torch.backends.mkl.is_available():
+        pytest.fail("this torch is built without MKL: the CPU wheels CI installs have it")
+    code = "import {}; import torch; a = torch.ones(64, 64); a @ a"
+    env = {k: v for k, v in user_env().items() if not k.startswith("MKL_")}
+
+    def first_gemm(module, **extra):
+        out = subprocess.run([sys.executable, "-c", code.format(module)], env={**env, "MKL_VERBOSE": "1", **extra},
+                             capture_output=True, text=True, check=True)
+        line = next(x for x in out.stdout.splitlines() if "GEMM(" in x)
+        return line.split("CNR:")[1].split()[0], line.split("Dyn:")[1].split()[0]
+
+    assert first_gemm("hybridpar") == ("AUTO,STRICT", "0")
+    assert first_gemm("hybridpar", MKL_CBWR="COMPATIBLE") == ("COMPATIBLE", "0")
+    assert first_gemm("os") == ("OFF", "1")
+
+
+def test_mkl_notes_at_start_name_the_mode_that_cannot_repeat():
+    from hybridpar.parallel import cpu_blas_notes
+
+    assert cpu_blas_notes(True, {"MKL_CBWR": "AUTO,STRICT"}) == cpu_blas_notes(True, {"MKL_CBWR": "avx2"}) == []
+    for value, shown in (("OFF", "OFF"), (" off ", "off"), ("", "(empty)")):
+        note, = cpu_blas_notes(True, {"MKL_CBWR": value})
+        assert note.startswith(f"note: MKL_CBWR={shown} leaves") and note.endswith(
+            "MKL_CBWR=AUTO,STRICT is hybridpar's reproducible default"), note
+    assert cpu_blas_notes(True, {})[0].startswith("note: MKL_CBWR=unset leaves")
+    assert "not MKL" in cpu_blas_notes(False, {"MKL_CBWR": "AUTO,STRICT"})[0]
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints(reference):

@@ -19,11 +19,13 @@ FSDP.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hybridpar import MKL_REPRODUCIBLE
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.parallel.fp8 import convert_fp8
@@ -167,9 +169,26 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
     return model
 
 
+def cpu_blas_notes(mkl: bool, env) -> list[str]:
+    """Whether this CPU run's matmuls give the same bits in every fresh process, said at start when they may not:
+    hybridpar asks MKL for its reproducible mode (hybridpar/__init__.py); another BLAS has no such switch."""
+    if not mkl:
+        return ["note: torch's CPU BLAS here is not MKL: its matmuls are not known to repeat bit for bit from one "
+                "process to the next, so a resume continues the curve to rounding, not bitwise"]
+    cbwr = env.get("MKL_CBWR", "").strip() if "MKL_CBWR" in env else "unset"
+    if cbwr.upper() not in ("", "OFF", "UNSET"):  # a branch (AUTO, AVX2, COMPATIBLE, ... [,STRICT]): reproducible
+        return []
+    want = MKL_REPRODUCIBLE["MKL_CBWR"]
+    return [f"note: MKL_CBWR={cbwr or '(empty)'} leaves MKL's matmuls free to round differently from one process "
+            f"to the next (a resume continues to rounding, not bitwise); MKL_CBWR={want} is hybridpar's reproducible "
+            f"default"]
+
+
 def start_notes(cfg: Config, device: torch.device) -> list[str]:
     """What a run should know at start about its numerics on this device, once (the trainer prints them)."""
     m, t, notes = cfg.model, cfg.train, []
+    if device.type == "cpu":
+        notes += cpu_blas_notes(torch.backends.mkl.is_available(), os.environ)
     if t.fp8 != "off":
         notes.append(f"note: fp8 ({t.fp8}) on {t.fp8_linears} linears" + (
             "" if device.type == "cuda" else f", emulated on {device.type} (float8 casts and scales, high-precision "
