@@ -109,7 +109,13 @@ def test_the_record_by_hand_restart_rewind_skip_and_a_damaged_file(tmp_path, cap
     assert g.seconds["rewind_redo"] == pytest.approx(3.1) and g.seconds["skipped_nonfinite"] == pytest.approx(1.2)
     assert g.seconds["productive"] == pytest.approx(1.1 + 1.3 + 1.4) and g.seconds["rewind"] == 0.5
     g.stepped(5, 2.0)
-    g.stepped(6, 2.0)
+    g.skipped(6)  # step 6's skip known before its time is (its status read in the step that logs it)
+    g.stepped(6, 1.5)
+    g.stepped(6, 0.5)  # (its row's writing)
+    assert g.seconds["skipped_nonfinite"] == pytest.approx(3.2) and g.seconds["productive"] == pytest.approx(5.8)
+    g.rewound(5, 0.0)  # step 6 undone: lost once already, as skipped
+    assert g.seconds["rewind_redo"] == pytest.approx(3.1) and g.seconds["productive"] == pytest.approx(5.8)
+    g.stepped(6, 2.0)  # trained again: productive this time
     g.save(tmp_path, checkpoints=[4])  # the record holds steps 0, 4 and the last
     saved = json.loads((tmp_path / "goodput.json").read_text())
     assert sorted(saved["productive_at"]) == ["0", "4", "6"]
@@ -208,3 +214,25 @@ def test_data_wait_is_the_time_a_slow_loader_took(tmp_path, cache_dir):
     rows = [r for r in metrics_rows(run_dir) if "loss" in r]
     assert len(rows) == 6 and all(r["data_time"] * r["step_time"] >= 0.25 * 0.99 for r in rows), rows
     assert s["productive"] + s["data_wait"] <= sum(r["step_time"] for r in rows) + 0.05, s
+
+
+@pytest.mark.multiprocess
+def test_a_skipped_non_finite_step_then_a_rewind_past_it_each_counted_once(tmp_path, cache_dir):
+    """Step 5's gradients are made infinite (its update skipped, its status read in the step that logs it), step
+    7's multiplied by 1000 (a spike: rewound to checkpoint 4). skipped_nonfinite is step 5's logged time, rewind_redo
+    steps 6-7's (step 5's is not counted twice), less the save of checkpoint 4 that step 5's row holds."""
+    run_dir, log = tmp_path / "run", tmp_path / "console.txt"
+    out = run_cli(["tests/fault_drill.py", "0", "5,7", "inf,1000", *ARGS, "--data.cache_dir", str(cache_dir),
+                   "--run.dir", str(run_dir)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    log.write_text(out.stdout)
+    rows = metrics_rows(run_dir)
+    rewind = next(i for i, r in enumerate(rows) if "rewind" in r)
+    assert rows[rewind]["rewind_to"] == 4 and "step 5: gradient norm is nan; optimizer step skipped" in out.stdout
+    first = {r["step"]: r["step_time"] for r in rows[:rewind] if "loss" in r}
+    blocked = float(re.search(r"step_00000004 \(step loop blocked ([0-9.]+)s\)", out.stdout).group(1))
+    saved = json.loads((run_dir / "goodput.json").read_text())
+    s, wall = saved["seconds"], saved["last_seen"] - saved["first_start"]
+    assert s["skipped_nonfinite"] == pytest.approx(first[5] - blocked, rel=0.1, abs=0.05), (s, first, blocked)
+    assert s["rewind_redo"] == pytest.approx(first[6] + first[7], rel=0.1, abs=0.05), (s, first)
+    assert abs(wall - sum(s.values())) <= 0.02 * wall, (wall, s)

@@ -42,6 +42,7 @@ class Goodput:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
     productive_at: dict[int, float] = field(default_factory=lambda: {0: 0.0})  # step -> productive seconds to it
     last_seen: float = 0.0
+    unproductive: set[int] = field(default_factory=set)  # this start's steps whose update was skipped
     notes: list[str] = field(default_factory=list)  # what begin() has to say (a damaged file)
 
     @classmethod
@@ -69,12 +70,16 @@ class Goodput:
         self.seconds[part] += max(0.0, seconds)
 
     def stepped(self, step: int, seconds: float) -> None:
-        """Step `step` took `seconds` more of productive time (its training; then its log row)."""
-        self.seconds["productive"] += max(0.0, seconds)
+        """Step `step` took `seconds` more (its training; then its log row): productive, unless its update was
+        skipped already (skipped() may come before or after the step's time)."""
+        part = "skipped_nonfinite" if step in self.unproductive else "productive"
+        self.seconds[part] += max(0.0, seconds)
         self.productive_at[step] = self.seconds["productive"]
 
     def skipped(self, step: int) -> None:
-        """Step `step`'s update was skipped: its time was not productive."""
+        """Step `step`'s update was skipped: its time, recorded so far or still to come, is not productive. A later
+        rewind past it does not count it again (it was lost once, here)."""
+        self.unproductive.add(step)
         if step in self.productive_at and step - 1 in self.productive_at:
             lost = self.productive_at[step] - self.productive_at[step - 1]
             self.seconds["productive"] -= lost
@@ -89,6 +94,7 @@ class Goodput:
         self.seconds["rewind_redo"] += self.seconds["productive"] - kept
         self.seconds["productive"] = kept
         self.productive_at = {s: v for s, v in self.productive_at.items() if s <= target}
+        self.unproductive = {s for s in self.unproductive if s <= target}  # (the steps after it are new ones)
         self.add("rewind", seconds)
 
     def row(self, now: float | None = None) -> dict:
