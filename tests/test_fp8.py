@@ -97,6 +97,29 @@ def test_bad_fp8_settings_are_one_line(monkeypatch):
         check_fp8(load_config(["--train.fp8", "tensorwise"]), torch.device("cpu"))
 
 
+def test_a_torchao_built_for_another_torch_is_named_with_the_pair_that_works(monkeypatch, tmp_path):
+    """torchao 0.18 under torch 2.9 fails inside its import (torch.nn.functional has no ScalingType there): a
+    package of that shape, installed in a directory ahead of the real one, is named with its version and the fix."""
+    (tmp_path / "torchao" / "float8").mkdir(parents=True)
+    (tmp_path / "torchao" / "__init__.py").write_text("")
+    (tmp_path / "torchao" / "float8" / "__init__.py").write_text(
+        "from torch.nn.functional import ScalingTypeOfALaterTorch\n")
+    (tmp_path / "torchao-0.99.0.dist-info").mkdir()
+    (tmp_path / "torchao-0.99.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torchao\n"
+                                                                    "Version: 0.99.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "torchao"]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ConfigError) as e:
+        check_fp8(load_config(["--train.fp8", "rowwise"]), torch.device("cpu"))
+    msg = str(e.value)
+    assert msg.startswith(f"train.fp8: torchao 0.99.0 does not import under torch {torch.__version__.split('+')[0]} "
+                          f"(cannot import name 'ScalingTypeOfALaterTorch' from 'torch.nn.functional'"), msg
+    assert "\n" not in msg
+    assert msg.endswith("pip install torchao==0.18.0 for torch >= 2.11, or torchao==0.14.1 for torch 2.9 (the pairs "
+                        "tools/torch_tier.sh ran), or use --train.fp8 off"), msg
+
+
 def test_start_notes_say_what_the_numerics_are_on_each_device():
     """The start-up notes (hybridpar.parallel.start_notes) of the GPU branch, asked for a CUDA device on this CPU."""
     from hybridpar.parallel import start_notes

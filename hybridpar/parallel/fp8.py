@@ -55,9 +55,17 @@ def _torchao_float8():
     logging.getLogger("torchao").setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
-    except ImportError:
-        raise ConfigError(f"train.fp8 needs torchao, which is not installed; pip install {TORCHAO} (or "
-                          f"pip install -e \".[fp8]\"), or use --train.fp8 off") from None
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "torchao":
+            raise ConfigError(f"train.fp8 needs torchao, which is not installed; pip install {TORCHAO} (or "
+                              f"pip install -e \".[fp8]\"), or use --train.fp8 off") from None
+        from importlib.metadata import version
+
+        installed = version("torchao")
+        torch_version = torch.__version__.split("+")[0]
+        raise ConfigError(f"train.fp8: torchao {installed} does not import under torch {torch_version} ({e}); "
+                          f"pip install {TORCHAO} for torch >= 2.11, or torchao==0.14.1 for torch 2.9 (the pairs "
+                          f"tools/torch_tier.sh ran), or use --train.fp8 off") from None
     return float8
 
 
