@@ -126,9 +126,9 @@ COMMON = ["--train.steps", str(STEPS), "--train.global_batch_size", str(G), "--t
           "--logging.wandb.mode", "disabled", "--train.spike", "rewind", "--spike.window", "8", "--spike.skip", "3"]
 
 
-def _poison(cache_dir, out, args):
-    """The built-in corpus as an indexed copy whose global batch POISONED holds random tokens in the sample order
-    of a run with `args`; returns the arguments that train on it."""
+def _poison(cache_dir, out, args, batches=(POISONED,)):
+    """The built-in corpus as an indexed copy whose global batches `batches` (default POISONED) hold random tokens
+    in the sample order of a run with `args`; returns the arguments that train on it."""
     from hybridpar.config.cli import load_config
     from hybridpar.data.dataset import load_data_tokenizer, prepare_builtin
     from spike_data import poison_batches
@@ -140,7 +140,7 @@ def _poison(cache_dir, out, args):
     tokenizer.save(out)
     args = [*args, "--data.cache_dir", str(cache_dir), "--data.tokenizer", f"bpe:{out / 'tokenizer.json'}"]
     cfg = load_config([*args, "--data.path", prefix, "--model.vocab_size", "4096"])
-    assert poison_batches(cfg, [POISONED], str(out / "data")) >= G * 64  # every token of its 8 samples, at least
+    assert poison_batches(cfg, list(batches), str(out / "data")) >= len(batches) * G * 64  # every token, at least
     return [*args, "--data.path", str(out / "data")]
 
 
@@ -300,3 +300,35 @@ def test_a_rewind_on_two_data_parallel_ranks_after_a_validation(poisoned, tmp_pa
     val = {n: {r["step"]: r["val_loss"] for r in metrics_rows(d) if "val_loss" in r and r["step"] > 18}
            for n, d in (("memory", runs["memory"]), ("by_hand", by_hand))}
     assert val["memory"] == val["by_hand"] and len(val["memory"]) == 5
+
+
+@pytest.mark.multiprocess
+def test_two_rewinds_to_one_checkpoint_and_a_resume_that_skipped_batches_then_rewound(cache_dir, tmp_path):
+    """Batches 22 and 24 poisoned. The run spikes on batch 22 (step 22: back to 18, 20-22 skipped), then on batch 24
+    (trained at step 21 now, after 19 and 23: those three skipped, and checkpoint 18 is again the newest before
+    them): two rewinds to one host copy. Checkpoint 9, resumed alone with batches 12-13 skipped by hand, meets batch
+    22 at step 20 and, back at 15, batch 24 at step 19: back to 15 again. Each equals a run from the same start with every window skipped by hand
+    (no spike at all): the same losses and final weights, bitwise; skipped_batches.json and the last checkpoint hold
+    the merged windows."""
+    data = _poison(cache_dir, tmp_path / "data", COMMON, batches=(22, 24))
+    run = tmp_path / "run"
+    _run(data, run)
+    assert _rewinds(run) == [(22, 18, "20-22", 3 * G, "host memory"), (21, 18, "19, 23-24", 3 * G, "host memory")]
+    assert json.loads((run / "skipped_batches.json").read_text()) == {"windows": [[19, 24]], "rewinds": 2}
+    by_hand = tmp_path / "by-hand"
+    _run([*data, "--data.skip_batches", "19-24"], by_hand)
+    assert _rewinds(by_hand) == []
+    _assert_same_run(run, by_hand, 0)
+
+    (tmp_path / "copy").mkdir()
+    start = shutil.copytree(checkpoint_dir(run, 9), tmp_path / "copy" / "step_00000009")
+    resumed = tmp_path / "resumed"
+    _run([*data, "--checkpoint.load", str(start), "--data.skip_batches", "12-13"], resumed)
+    assert _rewinds(resumed) == [(20, 15, "20-22", 3 * G, "host memory"),
+                                 (19, 15, "19, 23-24", 3 * G, "host memory")]
+    state = read_trainer_state(checkpoint_dir(resumed, STEPS))
+    assert state["skip_windows"] == [[12, 13], [19, 24]] and state["rewinds"] == 2
+    assert state["consumed_samples"] == STEPS * G
+    reference = tmp_path / "reference"
+    _run([*data, "--checkpoint.load", str(start), "--data.skip_batches", "12-13,19-24"], reference)
+    _assert_same_run(resumed, reference, 9)
