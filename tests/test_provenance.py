@@ -306,3 +306,37 @@ def test_provenance_reads_the_runs_own_record_not_the_files_a_user_edits(tmp_pat
     assert [(s["from_step"], s["allowed_change"]) for s in record] == [(0, False), (4, True)]
     record = of_tensor(read_trainer_state(checkpoint_dir(run_dir, 10))["data_record"], "step 10")
     assert [(s["from_step"], s["allowed_change"]) for s in record] == [(0, False), (4, True), (8, True)]
+
+
+@pytest.mark.multiprocess
+def test_a_run_whose_stages_changed_is_ledgered_with_each_segments_stages(tmp_path):
+    """A staged run (web, then a ramp to half code) trained 6 steps, resumed to 10 with other stages (a blend
+    from batch 0, web alone from batch 2: web alone from the resume point on) under checkpoint.allow_data_change: every step's ledgered ids are the ids the rank
+    fed, each segment with its own stages; a changed-stage resume without the allowance is refused first."""
+    from hybridpar.audit import open_ledger
+    from hybridpar.data.indexed import IndexedTokens
+    from test_stages import _source_files
+
+    web, code = _source_files(tmp_path, n_docs=(300, 300))
+    run_dir = tmp_path / "run"
+    common = ["--train.global_batch_size", "8", "--train.seq_len", "32", "--logging.interval", "1",
+              "--train.eval_interval", "0", "--train.sample_tokens", "0", "--train.eval_tasks", "",
+              "--train.precision", "fp32", "--logging.wandb.mode", "disabled", "--data.tokenizer", "bytes",
+              "--data.cache_dir", str(tmp_path / "cache"), "--model.n_layers", "1", "--checkpoint.interval", "2",
+              "--run.dir", str(run_dir)]
+    first = ["--train.steps", "6", "--data.stages", f"0: {web},3 ramp 3: 0.5 {web} 0.5 {code}"]
+    out = run_cli(["tests/feed_recorder.py", str(tmp_path / "fed-a"), "-", *common, *first])
+    assert out.returncode == 0, out.stderr[-2000:]
+    second = ["--train.steps", "10", "--data.stages", f"0: 0.5 {web} 0.5 {code},2: {web}"]
+    out = run_cli(["launch/pretrain_gpt.py", *common, *second])
+    assert out.returncode == 2 and "data.stages: checkpoint" in out.stderr, out.stderr[-2000:]
+    out = run_cli(["tests/feed_recorder.py", str(tmp_path / "fed-b"), "-", *common, *second,
+                   "--checkpoint.allow_data_change", "true"])
+    assert out.returncode == 0, out.stderr[-2000:]
+    fed = {**_fed(tmp_path / "fed-a"), **_fed(tmp_path / "fed-b")}
+    assert sorted(fed) == list(range(1, 11))
+    with open_ledger(run_dir) as ledger:
+        assert ledger.steps == 10 and [(p.first, p.last) for p in ledger.parts] == [(0, 6), (6, 10)]
+        _check_against_fed(ledger, fed, range(1, 11), {p: IndexedTokens(p) for p in (web, code)})
+        assert {r["source"] for r in ledger.step(2)} == {web}  # the first stages' web-only start
+        assert {r["source"] for s in (7, 8, 9, 10) for r in ledger.step(s)} == {web}  # the new stage 2: web alone
