@@ -15,7 +15,7 @@ setup(
     packages=[*find_packages(include=["hybridpar", "hybridpar.*"]), "hybridpar.models"],
     package_dir={"hybridpar": "hybridpar", "hybridpar.models": "models"},
     install_requires=[
-        "torch>=2.6",
+        "torch>=2.9",  # the oldest torch the unit tier passed on (tools/torch_tier.sh; README)
         "numpy",
         "einops",
         "pyyaml",
