@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # lm-eval options whose files are pickles it reads back (SqliteDict's pickled responses, dill-pickled requests): a
@@ -78,6 +79,47 @@ def _index_include_path_only(argv: list[str]) -> None:
         lm_eval.tasks.TaskManager = IncludePathOnly  # lm-eval's command line builds its manager from here
 
 
+def _first_label_past_choices(task) -> str | None:
+    """What is wrong when a task's first document names a choice it does not have, else None."""
+    try:
+        doc = task.task_docs[0]
+        target = task.doc_to_target(doc)
+        choices = task.doc_to_choice(doc) if task.config.doc_to_choice is not None else None
+    except Exception:  # noqa: BLE001  (the IndexError was another one: it keeps its traceback)
+        return None
+    if not isinstance(target, int) or not isinstance(choices, list) or -len(choices) <= target < len(choices):
+        return None
+    return (f"task {task.config.task}: its first document's target is {target}, past its {len(choices)} choices; "
+            f"give a label from 0 to {len(choices) - 1}")
+
+
+@contextmanager
+def _labels_named():
+    """lm-eval builds a task by looking its first document's label up in that document's choices: a label past them
+    was a bare IndexError from lm-eval's task.py. Said in one line, naming the task and the label. (A later document's
+    label past its choices is lm-eval's own warning, and that document counts as wrong.)"""
+    from lm_eval.api.task import ConfigurableTask
+
+    from hybridpar.errors import UserError
+
+    build = ConfigurableTask.__init__
+
+    def checked(self, *args, **kwargs):
+        try:
+            build(self, *args, **kwargs)
+        except IndexError:
+            why = _first_label_past_choices(self)
+            if why is None:
+                raise
+            raise UserError(why) from None
+
+    ConfigurableTask.__init__ = checked
+    try:
+        yield
+    finally:
+        ConfigurableTask.__init__ = build
+
+
 def main() -> int:
     # Python put launch/ first on sys.path, and launch/evaluate.py would shadow Hugging Face's `evaluate` package,
     # which lm-eval imports for some metrics: this command needs nothing from launch/.
@@ -102,9 +144,11 @@ def main() -> int:
     from hybridpar.parallel.distributed import shutdown
 
     try:
-        harness.cli_evaluate()
+        with _labels_named():
+            harness.cli_evaluate()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == 0:  # (every rank meets the same error: said once)
+            print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         shutdown()

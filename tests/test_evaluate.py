@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from conftest import ROOT, launcher, run_cli, user_env
 from hybridpar.config.cli import load_config
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, UserError
 from hybridpar.inference.evaluate import Scorer, run_task, vocab_parallel_logprobs
 from hybridpar.inference.generate import Sampling, generate
 from hybridpar.inference.tasks import read_task
@@ -354,6 +354,37 @@ def test_harness_indexes_only_the_include_path_when_every_task_is_there(tmp_path
         assert isinstance(manager, full) and sorted(manager.all_subtasks) == ["mine_a", "mine_b"]
     finally:
         lm_eval.tasks.TaskManager = full
+
+
+@pytest.mark.multiprocess  # (importing lm-eval runs ldconfig)
+def test_harness_names_a_first_label_past_its_choices(tmp_path):
+    """lm-eval builds a task by looking its first document's label up in its choices: label 5 of 2 choices is one
+    line naming the task and the label (it was lm-eval's bare IndexError); a good first label builds the task, and
+    lm-eval's own class is put back after."""
+    from lm_eval.api.task import ConfigurableTask
+
+    harness, build = launcher("harness"), ConfigurableTask.__init__
+    good = '{"context": "x", "choices": [" y", " z"], "label": 1}\n'
+    for name, lines, want in [("bad", '{"context": "a", "choices": [" c", " d"], "label": 5}\n' + good,
+                               "task local_bad: its first document's target is 5, past its 2 choices; give a label "
+                               "from 0 to 1"),
+                              ("good", good + '{"context": "a", "choices": [" c", " d"], "label": 0}\n', None)]:
+        (tmp_path / f"{name}.jsonl").write_text(lines)
+        config = {"task": f"local_{name}", "dataset_path": "json", "test_split": "test", "target_delimiter": "",
+                  "dataset_kwargs": {"data_files": {"test": str(tmp_path / f"{name}.jsonl")}},
+                  "output_type": "multiple_choice", "doc_to_text": "context", "doc_to_choice": "choices",
+                  "doc_to_target": "label", "metric_list": [{"metric": "acc"}]}
+        with harness._labels_named():
+            if want is None:
+                task = ConfigurableTask(config=config)
+                assert [task.doc_to_target(d) for d in task.eval_docs] == [1, 0]
+            else:
+                with pytest.raises(UserError, match=re.escape(want) + "$"):
+                    ConfigurableTask(config=config)
+        assert ConfigurableTask.__init__ is build
+    with pytest.raises(IndexError):  # what lm-eval itself does with it
+        ConfigurableTask(config={**config, "task": "plain", "dataset_kwargs": {"data_files": {
+            "test": str(tmp_path / "bad.jsonl")}}})
 
 
 @pytest.mark.multiprocess
