@@ -1,10 +1,10 @@
 """Start-up, written once, and what a training process owns for its lifetime.
 
 start_trainer(cfg): hybridpar.resolve.begin (world, device, process group, the resolved run), the mesh and the
-Trainer (its data and model). A training run goes through a Session: build_trainer() wires the checkpointer, the host copies a spike rewind
-reads and the resume from a checkpoint; open_run_dir() is the first write into the run dir, once every input is
-checked. The Session restores on exit what it changed for the process: the signal handlers, the run dir's lock, the
-process group it started, and watches the torchrun agent while it lasts.
+Trainer (its data and model). A training run goes through a Session: start() wires the checkpointer, the host
+copies a spike rewind reads and the resume from a checkpoint; open_run_dir() is the first write into the run dir,
+once every input is checked. The Session restores on exit what it changed for the process: the signal handlers,
+the run dir's lock, the process group it started, and watches the torchrun agent while it lasts.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.checkpoint.dcp import Checkpointer
-from hybridpar.checkpoint.rewind import SKIPPED_FILE, read_skipped
+from hybridpar.training.recovery import SKIPPED_FILE, HostCopies, read_skipped
 from hybridpar.config import Config
 from hybridpar.data.gpt_data import release_index_readers
 from hybridpar.errors import UserError
 from hybridpar.parallel.distributed import agent_gone, init_mesh, shutdown, watch_agent, world_from_env
 from hybridpar.resolve import Run, begin
 from hybridpar.trainer import Trainer
-from hybridpar.training.spikes import HostCopies
 
 EXIT_ABORTED = 76  # a second signal arrived while the preemption save was running
 EXIT_ORPHANED = 77  # the torchrun agent that started this worker died: stopped at once, nothing more written

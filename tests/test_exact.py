@@ -207,7 +207,7 @@ def test_the_grid_sums_exactly_replays_a_step_that_outgrew_it_and_passes_a_nan_o
         ex.begin(bounds)
         for i in order:
             model.weight.grad, model.bias.grad = terms[i][0] * scale, terms[i][1] * scale
-            ex.absorb()
+            ex.after_backward()
         return ex.finish()
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

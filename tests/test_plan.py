@@ -310,6 +310,7 @@ def _accumulation_worker(rank: int, world: int, init_file: str, results) -> None
 
     from hybridpar.parallel.distributed import MESH_AXES
     from hybridpar.training.microbatch import forward_backward_no_pipelining
+    from hybridpar.training.reduction import MeanReduction
     from hybridpar.parallel.startup import build_parallel_model
 
     warnings.filterwarnings("ignore")  # gc.get_objects() touches deprecated torch objects
@@ -327,7 +328,7 @@ def _accumulation_worker(rank: int, world: int, init_file: str, results) -> None
             n_tokens = torch.tensor(256.0)
             before, held = _live_bytes(model), []
             forward_backward_no_pipelining(model, batches, n_tokens, torch.device("cpu"),
-                                           accumulate_unsharded=unsharded,
+                                           reduction=MeanReduction(accumulate_unsharded=unsharded),
                                            stop_now=lambda: held.append(_live_bytes(model) - before) and False)
             results[rank, degrees, precision, unsharded] = held
             del model

@@ -22,6 +22,7 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
         from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
         from hybridpar.training.microbatch import forward_backward_no_pipelining
+        from hybridpar.training.reduction import MeanReduction
         from hybridpar.models import build_model, get_model_config
         from hybridpar.parallel.fsdp import apply_fsdp
         from hybridpar.config import ParallelConfig
@@ -85,7 +86,7 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
                 for n, unsharded in ((1, True), (2, True), (2, False)):
                     calls.update(reduce_scatter=0, all_gather=0, all_reduce=0)
                     forward_backward_no_pipelining(model, [(xb, xb)] * n, 32, torch.device("cpu"),
-                                                   accumulate_unsharded=unsharded)
+                                                   reduction=MeanReduction(accumulate_unsharded=unsharded))
                     counts.append(dict(calls))
             finally:
                 for name, fn in real.items():

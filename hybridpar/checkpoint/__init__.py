@@ -1,4 +1,3 @@
 """Checkpoints: sharded DCP saves and loads (dcp.py), where they lie and which are complete (layout.py), reads that
-cannot run code (safe_load.py), what a resume checks against the checkpoint (resume_checks.py), the choices of a
-rewind after a loss spike (rewind.py: which checkpoint, which batches skipped) and the run directory's lock
-(run_dir.py)."""
+cannot run code (safe_load.py), what a resume checks against the checkpoint (resume_checks.py) and the run
+directory's lock (run_dir.py). A rewind after a loss spike is hybridpar.training.recovery's."""

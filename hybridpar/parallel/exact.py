@@ -82,9 +82,14 @@ LOSS_GRID = 2.0 ** -32  # a microbatch's loss share, rounded to it: any sum of s
 
 
 class ExactGradients:
-    """The mode for one model: a step's integer accumulators and the largest |microbatch gradient| seen. The grids'
-    bounds (one per parameter, in sorted name order) belong to the training loop's state: begin() takes them, finish()
-    returns the next ones. Collective: every rank calls begin(), absorb() and finish() alike."""
+    """The mode for one model (hybridpar.training.reduction's interface): a step's integer accumulators and the
+    largest |microbatch gradient| seen. The grids' bounds (one per parameter, in sorted name order) belong to the
+    training loop's state: begin() takes them, finish() returns the next ones. Collective: every rank calls begin(),
+    after_backward() and finish() alike. Every microbatch reduces on its own (sync leaves FSDP's flags as set here);
+    the loss scale is 1 (the reduce-scatter sums)."""
+
+    loss_dtype = torch.float64
+    grad_scale = 1.0
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, names: dict[int, str]):
         self.mesh, self.names = mesh, names  # id(parameter) -> its plain name (the same on every layout)
@@ -102,6 +107,7 @@ class ExactGradients:
         self.plain = [p for p in model.parameters() if id(p) not in covered]
         self.replicate = mesh["dp_replicate"] if mesh["dp_replicate"].size() > 1 else None
         self.device = local_tensor(next(model.parameters())).device
+        self.replays = 0  # steps replayed on a coarser grid since this start (logged: exact_replays)
 
     # -- the step ---------------------------------------------------------------------------------------------
     def begin(self, bounds: list[float] | None) -> None:
@@ -110,6 +116,12 @@ class ExactGradients:
         self.acc: dict[int, torch.Tensor] = {}
         self.seen: dict[str, torch.Tensor] = {}
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+
+    def sync(self, model, i: int, n: int) -> None:
+        pass
+
+    def row(self) -> dict:
+        return {"exact_replays": self.replays}
 
     def _note(self, name: str, g: torch.Tensor) -> None:
         """`g` (this rank's part of a microbatch gradient) into the largest |term| seen of parameter `name`."""
@@ -143,12 +155,12 @@ class ExactGradients:
         output.zero_()
 
     @staticmethod
-    def on_loss_grid(share: torch.Tensor) -> torch.Tensor:
+    def loss_share(share: torch.Tensor) -> torch.Tensor:
         """A microbatch's loss share as float64 on LOSS_GRID: its sums over microbatches and ranks, in any order, are
         exact (the logged loss and the spike test's are then the same on every layout)."""
         return torch.round(share.detach().double() / LOSS_GRID) * LOSS_GRID
 
-    def absorb(self) -> None:
+    def after_backward(self) -> None:
         """After a microbatch's backward: the gradients of parameters outside FSDP into the accumulator."""
         for p in self.plain:
             if p.grad is None:
@@ -179,6 +191,7 @@ class ExactGradients:
         over = self.bounds is None or any(s > cap_of(self.bounds[n]) for n, s in zip(names, seen))
         if over and not nonfinite:
             self._clear()
+            self.replays += 1
             return False, seen
         if nonfinite:  # the step is skipped as non-finite (its gradients NaN); the grids stay
             self._write(lambda acc, quantum: torch.full(acc.shape, math.nan, dtype=torch.float64))

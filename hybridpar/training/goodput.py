@@ -27,6 +27,7 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from hybridpar.errors import write_refused
@@ -68,6 +69,20 @@ class Goodput:
 
     def add(self, part: str, seconds: float) -> None:
         self.seconds[part] += max(0.0, seconds)
+
+    @contextmanager
+    def timed(self, part: str):
+        """The block's seconds to `part`."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(part, time.perf_counter() - began)
+
+    def step_took(self, step: int, seconds: float, waited: float) -> None:
+        """Step `step` took `seconds`, `waited` of them on data."""
+        self.stepped(step, seconds - waited)
+        self.add("data_wait", waited)
 
     def stepped(self, step: int, seconds: float) -> None:
         """Step `step` took `seconds` more (its training; then its log row): productive, unless its update was

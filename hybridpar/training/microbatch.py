@@ -5,7 +5,7 @@ One optimizer step runs the rank's microbatches forward and backward in turn. Tw
   global batch (all microbatches of all data-parallel ranks), so the accumulated gradient is the gradient of the
   global batch's mean token loss, whatever the split into microbatches or ranks. Averaging per microbatch would
   weight a short-target microbatch like a full one.
-- With FSDP2, `accumulate_unsharded` chooses what is held between microbatches. True: every block stays gathered
+- With FSDP2, `accumulate_unsharded` (hybridpar.training.reduction.MeanReduction's) chooses what is held between microbatches. True: every block stays gathered
   and its gradient unsharded until the last microbatch, which reduces once (fewest collectives, the whole
   tensor-parallel-local model held unsharded). False: each microbatch's backward reduce-scatters into the sharded
   gradient and reshards, as in a single-microbatch step; under HSDP only the cross-replica all-reduce waits for the
@@ -15,6 +15,8 @@ One optimizer step runs the rank's microbatches forward and backward in turn. Tw
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -22,7 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.data.gpt_data import IGNORE_INDEX
+from hybridpar.parallel import autocast_for
 from hybridpar.parallel.distributed import local_tensor
+from hybridpar.parallel.fp8 import fp8_scales
+from hybridpar.training.reduction import MeanReduction
 
 
 class StopMidStep(Exception):
@@ -55,18 +60,37 @@ def count_target_tokens(microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -
     return sum((y != IGNORE_INDEX).sum() for _, y in microbatches)
 
 
+@dataclass(frozen=True)
+class StepNumerics:
+    """How a forward runs and its loss is taken on this layout (training and evaluation alike)."""
+    autocast: Callable  # the forward's context (bf16 autocast where FSDP does not cast already)
+    forward_loss: Callable  # (model, x, y) -> token-loss sum
+    loss_context: Callable  # loss_parallel under tensor parallelism
+    fp8_scales: Callable | None  # float8 all-gathers: the weights' scales, computed before each forward
+
+    @classmethod
+    def of(cls, cfg, model, tp: int, device: torch.device) -> "StepNumerics":
+        t = cfg.train
+        if tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+            loss_context, forward_loss = loss_parallel, logits_loss
+        else:
+            loss_context = nullcontext
+            fused = t.loss_chunk_tokens and not (t.fp8 != "off" and t.fp8_linears == "all")  # (fp8 head: a module)
+            forward_loss = partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if fused else logits_loss
+        return cls(autocast_for(model, t.precision, device), forward_loss, loss_context, fp8_scales(model, cfg))
+
+
 def forward_backward_no_pipelining(
     model: nn.Module,
     microbatches: list[tuple[torch.Tensor, torch.Tensor]],
     num_global_tokens: torch.Tensor,
     device: torch.device,
     forward_loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = logits_loss,
-    grad_scale: float = 1.0,
     autocast=nullcontext,
     loss_context=nullcontext,
     stop_now: Callable[[], bool] = lambda: False,
-    accumulate_unsharded: bool = True,
-    exact=None,
+    reduction=None,
 ) -> torch.Tensor:
     """Forward and backward over this rank's microbatches of one global batch; gradients accumulate in .grad.
 
@@ -76,41 +100,31 @@ def forward_backward_no_pipelining(
         num_global_tokens: target tokens of the whole global batch, all ranks together (a device tensor: no host sync).
         device: where to move each microbatch.
         forward_loss: (model, inputs, targets) -> summed token loss: logits_loss or chunked_loss.
-        grad_scale: multiplies the backward loss; FSDP averages gradients over the dp ranks, so the trainer passes
-            dp_size to turn that average into the sum the global mean needs. (FSDP2's set_gradient_divide_factor(1)
-            would say it once at wrap time, but it reduces with PREMUL_SUM, which gloo does not have.)
         autocast: a context-manager factory for mixed precision (around the forward and the loss).
         loss_context: a context-manager factory around loss and backward (tensor parallelism's loss_parallel).
         stop_now: asked after each microbatch but the last; True raises StopMidStep (the step is abandoned).
-        accumulate_unsharded: with FSDP2, hold gathered parameters and unsharded gradients between microbatches
-            (True) or reduce-scatter and reshard after each (False; HSDP's all-reduce still once per step).
-        exact: parallel.exact_reduction's state (hybridpar.parallel.exact.ExactGradients): every microbatch is
-            reduced on its own (FSDP's synchronisation flags left as the mode set them), and the gradients of
-            parameters outside FSDP go into its accumulator after each backward.
+        reduction: how the gradients reduce over the data-parallel ranks (hybridpar.training.reduction; default
+            MeanReduction(): FSDP's flags for one reduction at the last microbatch, the loss unscaled). Its
+            grad_scale multiplies the backward loss: FSDP averages gradients over the dp ranks, so the trainer's
+            is dp_size, turning that average into the sum the global mean needs. (FSDP2's
+            set_gradient_divide_factor(1) would say it once at wrap time, but it reduces with PREMUL_SUM, which gloo
+            does not have.)
     Returns:
         This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
         ranks gives the global batch's mean loss). No host sync happens here.
     """
-    total = torch.zeros((), device=device, dtype=torch.float64 if exact is not None else torch.float32)
+    red = reduction if reduction is not None else MeanReduction()
+    total = torch.zeros((), device=device, dtype=red.loss_dtype)
     n = len(microbatches)
     for i, (x, y) in enumerate(microbatches):
-        last = i == n - 1
-        if hasattr(model, "set_requires_gradient_sync") and n > 1 and exact is None:  # FSDP2
-            if accumulate_unsharded:  # no reduce-scatter / all-reduce before the last, no re-gather in between
-                model.set_requires_gradient_sync(last)
-                model.set_reshard_after_backward(last)
-            else:  # reduce-scatter every microbatch; HSDP's cross-replica all-reduce on the last only
-                model.set_requires_all_reduce(last)
+        red.sync(model, i, n)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with loss_context():
             with autocast():
                 loss = forward_loss(model, x, y) / num_global_tokens
-            (loss * grad_scale).backward()
-        if exact is not None:
-            exact.absorb()
-        loss = loss.detach()
-        share = local_tensor(loss)  # a replicated DTensor under loss_parallel
-        total += share if exact is None else exact.on_loss_grid(share)
-        if not last and stop_now():
+            (loss * red.grad_scale).backward()
+        red.after_backward()
+        total += red.loss_share(local_tensor(loss.detach()))  # (local: a replicated DTensor under loss_parallel)
+        if i < n - 1 and stop_now():
             raise StopMidStep(i + 1, n)
     return total

@@ -1,5 +1,5 @@
-"""Loss spikes: the test against a running window, the batches a rewind skips, and host-memory copies of the newest
-checkpoints (a rewind to one of them reads nothing from disk).
+"""Loss spikes: the test against a running window and the batches a rewind skips (what a rewind does with them:
+hybridpar.training.recovery).
 
 Batches are numbered from 1 as the steps of a run that skips nothing: batch N is samples [(N-1) G, N G) of the
 train split (G the global batch). A run's skipped batches are a sorted list of inclusive (first, last) windows; step
@@ -10,13 +10,11 @@ trainer state, so a resumed run never trains them.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import torch
 
 from hybridpar.config import SpikeConfig, merge_windows
 from hybridpar.errors import ConfigError
-from hybridpar.parallel.distributed import local_tensor
 
 
 def batch_number(step: int, windows: list[tuple[int, int]]) -> int:
@@ -80,54 +78,3 @@ def find_spike(cfg: SpikeConfig, history: list[tuple[float, float]], loss: float
         reason = spike_reason("gradient norm", grad_norm, [h[1] for h in history], cfg.grad_norm_zscore,
                               cfg.grad_norm_min_rise)
     return reason
-
-
-def _live_tensors(optimizer) -> list[tuple[str, torch.Tensor]]:
-    """This rank's parameter shards and optimizer state tensors, named by position, in a fixed order. The
-    parameters are the optimizer's: the shards it steps (a module's own may be gathered copies for a while)."""
-    out = []
-    for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"]):
-        out.append((f"param{i}", local_tensor(p)))
-        for k, v in sorted(optimizer.state.get(p, {}).items()):
-            if isinstance(v, torch.Tensor):
-                out.append((f"param{i}.{k}", local_tensor(v)))
-    return out
-
-
-class HostCopies:
-    """The newest `keep` checkpoints' model and optimizer shards (this rank's) and trainer state in host memory,
-    taken when the checkpoint is saved. restore() copies one back bitwise: the same values a read of the checkpoint
-    from disk gives, without the read."""
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self.copies: OrderedDict[int, tuple[dict, dict]] = OrderedDict()
-
-    def take(self, step: int, optimizer, position: dict) -> None:
-        """Copy this rank's shards (the optimizer's parameters and state) and the loop's `position` of checkpoint
-        `step`."""
-        if not self.keep:
-            return
-        self.copies[step] = ({name: t.detach().to("cpu", copy=True) for name, t in _live_tensors(optimizer)}, position)
-        while len(self.copies) > self.keep:
-            self.copies.popitem(last=False)
-
-    def steps(self) -> list[int]:
-        return list(self.copies)
-
-    def drop_after(self, step: int) -> None:
-        for s in [s for s in self.copies if s > step]:
-            del self.copies[s]
-
-    def restore(self, step: int, optimizer) -> dict:
-        """Copy checkpoint `step`'s shards back into the optimizer's parameters and state; returns its position."""
-        tensors, position = self.copies[step]
-        if not any("." in name for name in tensors):  # taken before the first optimizer step: a fresh optimizer
-            optimizer.state.clear()
-        live = _live_tensors(optimizer)
-        if [n for n, _ in live] != list(tensors):
-            raise RuntimeError(f"host copy of step {step}: the optimizer state's layout changed since it was taken")
-        with torch.no_grad():
-            for name, t in live:
-                t.copy_(tensors[name])
-        return position
