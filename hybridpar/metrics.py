@@ -192,53 +192,6 @@ class StepProfiler:
         return f"profile of steps {steps[0]}-{steps[1]} written to {self.out}"
 
 
-class Throughput:
-    """A step row's rates (docs/metrics.md): tokens/s, model FLOPs per device and MFU against the GPU's peak, the
-    slowest and fastest rank's step time, the data wait's share, and on CUDA the memory."""
-
-    def __init__(self, cfg: Config, device):
-        import torch
-
-        from hybridpar.planning.flops import flops_per_token, peak_fp8_tflops, peak_tflops
-
-        self.cfg, self.device = cfg, device
-        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        self.peak_tflops = peak_tflops(name)
-        self.peak_fp8_tflops = peak_fp8_tflops(name) if cfg.train.fp8 != "off" else None
-
-    def row(self, step: int, elapsed: float, steps: int, seq_len: int, data_wait: float) -> dict:
-        """Over the `steps` steps up to `step` that took `elapsed` seconds (collective: the step-time spread)."""
-        import torch
-        import torch.distributed as dist
-
-        from hybridpar.planning.flops import flops_per_token
-
-        world, step_time = dist.get_world_size(), elapsed / steps
-        spread = torch.tensor([step_time, -step_time], dtype=torch.float64, device=self.device)
-        if world > 1:
-            dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-        tokens_per_step = self.cfg.train.global_batch_size * seq_len
-        per_token = self.flops_per_token if seq_len == self.cfg.train.seq_len else flops_per_token(self.cfg.model,
-                                                                                                   seq_len)
-        tps = steps * tokens_per_step / elapsed
-        tflops = per_token * tps / world / 1e12
-        row = {"tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world, "tflops_per_device": tflops,
-               "step_time": step_time, "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
-               "data_time": min(1.0, data_wait / elapsed), "consumed_tokens": step * tokens_per_step}
-        if self.peak_tflops:
-            row["mfu"] = tflops / self.peak_tflops
-        if self.peak_fp8_tflops:
-            row["mfu_fp8"] = tflops / self.peak_fp8_tflops
-        if self.device.type == "cuda":
-            gib = 2 ** 30
-            row.update(mem_allocated_gib=torch.cuda.memory_allocated(self.device) / gib,
-                       mem_reserved_gib=torch.cuda.memory_reserved(self.device) / gib,
-                       mem_peak_gib=torch.cuda.max_memory_allocated(self.device) / gib)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        return row
-
-
 def start_lines(run, model, mesh, data, unigram: float) -> list[str]:
     """What a training run says before its first step: model, device and mesh; data; batch; the layout chosen; the
     ranks' hosts (collective)."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.checkpoint.dcp import Checkpointer
-from hybridpar.training.recovery import SKIPPED_FILE, HostCopies, read_skipped
+from hybridpar.checkpoint.recovery import SKIPPED_FILE, HostCopies, read_skipped
 from hybridpar.config import Config
 from hybridpar.data.gpt_data import release_index_readers
 from hybridpar.errors import UserError

@@ -2,7 +2,7 @@
 builds its data and model, and owns its parts: the loop's record (TrainState, what a checkpoint keeps, a resume or a
 rewind replaces), the queue of step statuses, the gradient reduction (hybridpar.training.reduction), the evaluator,
 and, in a training run (hybridpar.session), the checkpointer and the recovery from loss spikes
-(hybridpar.training.recovery). The parts are given what they need and return decisions; the loop acts on them. It
+(hybridpar.checkpoint.recovery). The parts are given what they need and return decisions; the loop acts on them. It
 writes into the run dir through them: checkpoints (and their removal after a rewind), skipped_batches.json,
 goodput.json and, once fit() opens it, the metrics log.
 
@@ -24,22 +24,23 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.checkpoint.layout import checkpoint_dir, is_complete, latest_checkpoint, list_checkpoints, step_of
+from hybridpar.checkpoint.recovery import HostCopies, Recovery, check_recorded_skips
 from hybridpar.config import merge_windows
 from hybridpar.data.dataset import build_training_data
 from hybridpar.data.record import extend, segment
 from hybridpar.inference.evaluate import metrics_row, summary
 from hybridpar.inference.in_training import Evaluator
 from hybridpar.inference.tasks import load_tasks
-from hybridpar.metrics import MetricsLogger, StepProfiler, Throughput, compile_summary, start_lines
+from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary, start_lines
 from hybridpar.parallel import start_notes
 from hybridpar.parallel.distributed import dp_rank_size, local_tensor, set_numerics
 from hybridpar.parallel.startup import build_parallel_model, plain_name
+from hybridpar.planning.flops import Throughput
 from hybridpar.resolve import Run
 from hybridpar.training.goodput import Goodput
 from hybridpar.training.lr_schedule import lr_at
 from hybridpar.training.microbatch import StepNumerics, count_target_tokens, forward_backward_no_pipelining
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
-from hybridpar.training.recovery import HostCopies, Recovery, check_recorded_skips
 from hybridpar.training.reduction import build_reduction
 from hybridpar.training.spikes import check_skips
 from hybridpar.training.state import TrainState
@@ -362,7 +363,7 @@ class Trainer:
         return self.state
 
     def _rewind(self) -> bool:
-        """The loss spike found, acted on (hybridpar.training.recovery): whether the loop's state was replaced."""
+        """The loss spike found, acted on (hybridpar.checkpoint.recovery): whether the loop's state was replaced."""
         if self.checkpointer is not None:
             self.read_status()
         state = self.recovery.act(self.state, self.model, self.optimizer, self.position, self._write, self._replay)

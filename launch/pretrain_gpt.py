@@ -21,7 +21,7 @@ from hybridpar.parallel.distributed import world_from_env  # noqa: E402
 from hybridpar.session import EVERY_RANK_ERROR_WAIT_S, Session  # noqa: E402
 from hybridpar.trainer import TrainResult  # noqa: E402
 from hybridpar.training.step_status import TrainingDiverged  # noqa: E402
-from hybridpar.training.recovery import SpikeLimit  # noqa: E402
+from hybridpar.checkpoint.recovery import SpikeLimit  # noqa: E402
 from hybridpar.training.microbatch import StopMidStep  # noqa: E402
 
 

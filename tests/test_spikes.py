@@ -80,7 +80,7 @@ def test_skipped_batches_must_be_ahead_and_fit_the_split():
 def test_a_skipped_batches_file_that_is_not_a_rewinds_record_is_refused_naming_it(tmp_path):
     """Ignored, a damaged skipped_batches.json would let a resume train its batches again: each is a one-line
     CheckpointError naming the file; an absent file is no skips."""
-    from hybridpar.training.recovery import read_skipped, write_skipped
+    from hybridpar.checkpoint.recovery import read_skipped, write_skipped
     from hybridpar.errors import CheckpointError
 
     assert read_skipped(tmp_path) == ([], 0)

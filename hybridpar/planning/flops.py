@@ -10,7 +10,7 @@ N_matmul counts the weights of every matrix multiply: per layer Q and O (H x n_h
 lookups, norms, biases and activations are left out (they are not matmuls). The attention term: QK^T and AV each
 cost 2*T*(nh*hd) per token per layer in forward over the full T x T square; causal masking halves it; x3 for
 forward + backward. Recomputation by activation checkpointing is not counted: this is model FLOPs (MFU), not
-hardware FLOPs.
+hardware FLOPs. Throughput: a measured step's rates against them (the trainer's log rows).
 """
 
 from __future__ import annotations
@@ -80,3 +80,47 @@ def peak_tflops(device_name: str | None) -> float | None:
         if all(k in device_name for k in keys):
             return peak
     return None
+
+
+class Throughput:
+    """A step row's rates (docs/metrics.md): tokens/s, model FLOPs per device and MFU against the GPU's peak, the
+    slowest and fastest rank's step time, the data wait's share, and on CUDA the memory."""
+
+    def __init__(self, cfg, device):
+        import torch
+
+        self.cfg, self.device = cfg, device
+        self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.peak_tflops = peak_tflops(name)
+        self.peak_fp8_tflops = peak_fp8_tflops(name) if cfg.train.fp8 != "off" else None
+
+    def row(self, step: int, elapsed: float, steps: int, seq_len: int, data_wait: float) -> dict:
+        """Over the `steps` steps up to `step` that took `elapsed` seconds (collective: the step-time spread)."""
+        import torch
+        import torch.distributed as dist
+
+        world, step_time = dist.get_world_size(), elapsed / steps
+        spread = torch.tensor([step_time, -step_time], dtype=torch.float64, device=self.device)
+        if world > 1:
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+        tokens_per_step = self.cfg.train.global_batch_size * seq_len
+        per_token = self.flops_per_token if seq_len == self.cfg.train.seq_len else flops_per_token(self.cfg.model,
+                                                                                                   seq_len)
+        tps = steps * tokens_per_step / elapsed
+        tflops = per_token * tps / world / 1e12
+        row = {"tokens_per_sec": tps, "tokens_per_sec_per_device": tps / world, "tflops_per_device": tflops,
+               "step_time": step_time, "step_time_max": float(spread[0]), "step_time_min": -float(spread[1]),
+               "data_time": min(1.0, data_wait / elapsed), "consumed_tokens": step * tokens_per_step}
+        if self.peak_tflops:
+            row["mfu"] = tflops / self.peak_tflops
+        if self.peak_fp8_tflops:
+            row["mfu_fp8"] = tflops / self.peak_fp8_tflops
+        if self.device.type == "cuda":
+            gib = 2 ** 30
+            row.update(mem_allocated_gib=torch.cuda.memory_allocated(self.device) / gib,
+                       mem_reserved_gib=torch.cuda.memory_reserved(self.device) / gib,
+                       mem_peak_gib=torch.cuda.max_memory_allocated(self.device) / gib)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return row
+

@@ -1,5 +1,5 @@
 """Loss spikes: the test against a running window and the batches a rewind skips (what a rewind does with them:
-hybridpar.training.recovery).
+hybridpar.checkpoint.recovery).
 
 Batches are numbered from 1 as the steps of a run that skips nothing: batch N is samples [(N-1) G, N G) of the
 train split (G the global batch). A run's skipped batches are a sorted list of inclusive (first, last) windows; step
