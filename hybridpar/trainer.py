@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridpar.checkpoint.layout import checkpoint_dir, is_complete, latest_checkpoint, list_checkpoints, step_of
-from hybridpar.checkpoint.recovery import HostCopies, Recovery, check_recorded_skips
-from hybridpar.config import merge_windows
+from hybridpar.checkpoint.layout import checkpoint_dir, is_complete, list_checkpoints, step_of
+from hybridpar.checkpoint.recovery import HostCopies, Recovery
+from hybridpar.checkpoint.resume_checks import resumed_state
 from hybridpar.data.dataset import build_training_data
-from hybridpar.data.record import extend, segment
-from hybridpar.inference.evaluate import metrics_row, summary
+from hybridpar.data.record import segment
 from hybridpar.inference.in_training import Evaluator
 from hybridpar.inference.tasks import load_tasks
 from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary, start_lines
@@ -37,47 +35,14 @@ from hybridpar.parallel.distributed import dp_rank_size, local_tensor, set_numer
 from hybridpar.parallel.startup import build_parallel_model, plain_name
 from hybridpar.planning.flops import Throughput
 from hybridpar.resolve import Run
-from hybridpar.training.goodput import Goodput
+from hybridpar.training.goodput import Clock, Goodput
 from hybridpar.training.lr_schedule import lr_at
 from hybridpar.training.microbatch import StepNumerics, count_target_tokens, forward_backward_no_pipelining
 from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
 from hybridpar.training.reduction import build_reduction
-from hybridpar.training.spikes import check_skips
-from hybridpar.training.state import TrainState
+from hybridpar.training.spikes import refuse_skips
+from hybridpar.training.state import Stop, TrainResult, TrainState
 from hybridpar.training.step_status import StatusQueue, StepReading, TrainingDiverged
-
-
-@dataclass
-class TrainResult:
-    losses: dict[int, float] = field(default_factory=dict)
-    unigram_loss: float = float("nan")
-    sample: str = ""
-    wall_time: float = 0.0
-    preempted: bool = False  # stopped early by a signal (after saving, when checkpointing is on)
-
-
-@dataclass
-class Stop:
-    """A stop asked for by a signal (request_stop), acted on at the end of the step (after the current microbatch
-    when no checkpoint would be saved); voted: some rank asked (read from a step's status)."""
-    requested: bool = False
-    signum: int = 0
-    voted: bool = False
-
-
-@dataclass
-class Clock:
-    """The loop's timers: the data waits of train steps (since the last log row, and since the start), and where
-    the interval a log row's throughput covers began (time, step)."""
-    data_wait: float = 0.0
-    data_wait_total: float = 0.0
-    since: float = 0.0
-    since_step: int = 0
-
-    def mark(self, step: int | None = None) -> float:
-        self.since = time.perf_counter()
-        self.since_step = self.since_step if step is None else step
-        return self.since
 
 
 class Trainer:
@@ -118,7 +83,7 @@ class Trainer:
         self.state = TrainState(skip_windows=list(cfg.data.skip_windows),
                                 data_segments=[segment(cfg, 0, self.data.prefixes)])
         self.status = StatusQueue()
-        self.check_skips([])
+        refuse_skips(cfg, 0, [], self.state.skip_windows, self.data.train.n_steps)
         self.stop, self.clock = Stop(), Clock()
         self.goodput: Goodput | None = None  # fit()'s time accounting (hybridpar.training.goodput)
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
@@ -162,36 +127,13 @@ class Trainer:
         """Load checkpoint `path` (its weights only, with weights_only) and continue from its position: the skipped
         batches are the union of the checkpoint's, this run's data.skip_batches and `skipped` (the windows and rewind
         count the run dir recorded since that checkpoint). Returns the data settings that changed."""
-        from hybridpar.checkpoint.resume_checks import stage_origin
-
         saved, changes = self.checkpointer.load(path, self.model, self.optimizer, self.position(), weights_only)
-        if saved is None:
-            return changes
-        state, start = TrainState.of(saved), self.state.data_segments[-1]
-        now = {**start, "from_step": state.step}
-        state.data_segments = extend(state.data_segments, now, self.cfg.checkpoint.allow_data_change, path)
-        windows = list(state.skip_windows)
-        state.skip_windows = merge_windows(windows + list(self.cfg.data.skip_windows))
-        self.state = state
-        self.check_skips(windows)
-        if self.run.stages is not None:  # each source continues where it was, also after a change of stages
-            origin = stage_origin(path, self.cfg, self.run.stages, saved.get("stage_origin"),
-                                  state.batch_for(state.step))
+        if saved is not None:
+            self.state, origin = resumed_state(self.cfg, path, saved, self.state.data_segments[-1], self.run.stages,
+                                               self.data.train.n_steps, self.run_dir, skipped)
             if origin is not None:
                 self.data.train.dataset.restart_at(*origin)
-                state.data_segments[-1] = {**state.data_segments[-1],  # (provenance rebuilds the sampler from it)
-                                           "stage_origin": [int(origin[0]), *map(int, origin[1])]}
-        check_recorded_skips(self.cfg, state, skipped[0], self.run_dir)
-        state.skip_windows = merge_windows(state.skip_windows + list(skipped[0]))
-        state.rewinds = max(state.rewinds, skipped[1])
         return changes
-
-    def check_skips(self, saved: list[tuple[int, int]]) -> None:
-        """data.skip_batches against the position (hybridpar.training.spikes.check_skips), on every rank alike."""
-        error = check_skips(self.cfg, self.state.step, saved, self.state.skip_windows, self.data.train.n_steps)
-        if error is not None:
-            error.on_every_rank = True  # (every rank checks the same numbers: said once)
-            raise error
 
     def say(self, message: str) -> None:
         """A console line from rank 0, through the metrics logger once fit() (or the session) has opened it."""
@@ -331,16 +273,9 @@ class Trainer:
         """Checkpoint the position (step `step`), unless inside a non-finite streak or before a rewind."""
         began = time.perf_counter()  # the step loop is blocked from here: what the save's line reports
         self.read_status()  # the skip counters and streak of every step so far, before deciding and saving
-        if self.state.skip_streak:
-            # Never save inside a non-finite streak: a resume would start from the diverging state with its streak
-            # hidden. The latest complete checkpoint stays the one to resume from.
-            latest = latest_checkpoint(self.run_dir)
-            return self.say(f"warning: not saving a checkpoint at step {step}: {self.state.skip_streak} non-finite "
-                            f"step(s) in a row; the latest checkpoint {latest if latest is not None else '(none)'} "
-                            f"predates the streak")
-        if self.recovery.spike is not None:  # the state holds a spike about to be rewound: not worth keeping
-            return self.say(f"not saving a checkpoint at step {step}: the loss spike of step "
-                            f"{self.recovery.spike[0]} is being rewound")
+        refused = self.recovery.save_refused(self.state, step)
+        if refused is not None:
+            return self.say(refused)
         path, position = self._write(step)
         self.recovery.took(step, self.optimizer, position)
         self._last_saved = step
@@ -371,22 +306,6 @@ class Trainer:
             self.state = state
         return state is not None
 
-    # -- evaluations, logged -------------------------------------------------------------------------------------
-    def _validate(self) -> None:
-        """Log the validation loss (not when a stop request cut it short)."""
-        val = self.evaluator.validation()
-        if val is None:
-            return self.say(f"validation at step {self.state.step} stopped by a stop request; not logged")
-        self._log({"step": self.state.step, **val, "val_ppl": math.exp(min(val["val_loss"], 50.0))})
-
-    def _eval_tasks(self) -> None:
-        """Score every downstream task and log one row; a stop request ends it between tasks."""
-        step, results = self.state.step, self.evaluator.run_tasks()
-        if results is None:
-            return self.say(f"task evaluation at step {step} stopped by a stop request; not logged")
-        self._log(metrics_row(step, results))
-        self.say(f"eval step {step} | " + " | ".join(summary(n, m) for n, m in results.items()))
-
     # -- the loop ---------------------------------------------------------------------------------------------
     def fit(self, started: float | None = None) -> TrainResult:
         """Train to train.steps (or a stop). started: when the launch began (time.time()), for the goodput record's
@@ -404,9 +323,9 @@ class Trainer:
         with g.timed("evaluation"):
             if self.state.step == 0 and t.steps > 0:  # (a seed-checkpoint start skips them)
                 if t.eval_interval:
-                    self._validate()
+                    self.evaluator.validate_at(self.state.step, self._log, self.say)
                 if self.evaluator.tasks:
-                    self._eval_tasks()
+                    self.evaluator.tasks_at(self.state.step, self._log, self.say)
         self.clock.mark(self.state.step)
         first, profiler = self.state.step + 1, None
         while self.state.step < t.steps and not self.stop.voted:  # (a stop during the first validation: no step)
@@ -465,9 +384,9 @@ class Trainer:
             g.step_took(step, time.perf_counter() - began, waited)
         every = t.eval_tasks_interval
         if t.eval_interval and (step % t.eval_interval == 0 or done):
-            stop = self._evaluation(self._validate, done) or stop
+            stop = self._evaluation(self.evaluator.validate_at, done) or stop
         if self.evaluator.tasks and (done or every and step % every == 0) and not self.stop.voted:
-            stop = self._evaluation(self._eval_tasks, done) or stop
+            stop = self._evaluation(self.evaluator.tasks_at, done) or stop
         with g.timed("checkpoint_stall"):
             self._checkpoint_after_step()
         if self._last_saved == step:
@@ -483,7 +402,7 @@ class Trainer:
     def _evaluation(self, evaluate, done: bool) -> bool:
         """An evaluation inside the loop, timed apart from training; whether a signal during it stops the loop."""
         with self.goodput.timed("evaluation"):
-            evaluate()
+            evaluate(self.state.step, self._log, self.say)
         self.clock.mark()  # evaluation time is not training throughput
         return self.stop.voted and not done
 

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hybridpar.checkpoint.layout import checkpoint_dir, list_checkpoints, remove_step_dir, step_of
+from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint, list_checkpoints, remove_step_dir, step_of
 from hybridpar.config import merge_windows
 from hybridpar.parallel.distributed import local_tensor
 from hybridpar.training.spikes import batch_number, find_spike, windows_text
@@ -83,10 +83,11 @@ def plan_rewind(cfg, step: int, why: str, rewinds: int, windows: list[tuple[int,
     Raises SpikeLimit past spike.max_rewinds."""
     s = cfg.spike
     if rewinds >= s.max_rewinds:
+        so_far = windows_text(windows) or "none"
         raise SpikeLimit(f"loss spike at step {step} ({why}) after {rewinds} rewind(s), spike.max_rewinds="
-                         f"{s.max_rewinds}: stopping; the skipped batches so far are {windows_text(windows) or 'none'}; "
-                         f"look at the data near batch {batch_number(step, windows)}, lower optim.lr, or raise "
-                         f"spike.max_rewinds, then resume")
+                         f"{s.max_rewinds}: stopping; the skipped batches so far are {so_far}; look at the data near "
+                         f"batch {batch_number(step, windows)}, lower optim.lr, or raise spike.max_rewinds, then "
+                         f"resume")
     first = max(1, step - s.skip + 1)
     before = [t for t in targets if t < first]
     if before:
@@ -211,6 +212,18 @@ class Recovery:
         if rewind:  # (kept out of the window until the step's end acts on it)
             self.spike = (step, why)
         return history
+
+    def save_refused(self, state: TrainState, step: int) -> str | None:
+        """Why checkpoint `step` is not to be saved, or None: never inside a non-finite streak (a resume would start
+        from the diverging state with its streak hidden; the latest complete checkpoint stays the one to resume
+        from), nor with a spike about to be rewound (not worth keeping)."""
+        if state.skip_streak:
+            latest = latest_checkpoint(self.run_dir)
+            return (f"warning: not saving a checkpoint at step {step}: {state.skip_streak} non-finite step(s) in a "
+                    f"row; the latest checkpoint {latest if latest is not None else '(none)'} predates the streak")
+        if self.spike is not None:
+            return f"not saving a checkpoint at step {step}: the loss spike of step {self.spike[0]} is being rewound"
+        return None
 
     def took(self, step: int, optimizer, position: dict) -> None:
         """Checkpoint `step` was saved with `position`: its host copy."""

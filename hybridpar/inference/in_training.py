@@ -4,12 +4,13 @@ returns numbers; the trainer logs them."""
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from hybridpar.inference.evaluate import Scorer, run_task
+from hybridpar.inference.evaluate import Scorer, metrics_row, run_task, summary
 from hybridpar.inference.generate import Sampling, generate
 from hybridpar.training.microbatch import IGNORE_INDEX
 from hybridpar.parallel.distributed import local_tensor
@@ -75,6 +76,21 @@ class Evaluator:
         if self.data.valid_sources:
             out.update({f"val_loss/{name}": float(total[g, 0] / total[g, 1]) for g, name in enumerate(groups)})
         return out
+
+    def validate_at(self, step: int, log, say) -> None:
+        """The validation loss, logged as step `step`'s row (not when a stop request cut it short)."""
+        val = self.validation()
+        if val is None:
+            return say(f"validation at step {step} stopped by a stop request; not logged")
+        log({"step": step, **val, "val_ppl": math.exp(min(val["val_loss"], 50.0))})
+
+    def tasks_at(self, step: int, log, say) -> None:
+        """Every downstream task scored, logged as one row of step `step`; a stop request ends it between tasks."""
+        results = self.run_tasks()
+        if results is None:
+            return say(f"task evaluation at step {step} stopped by a stop request; not logged")
+        log(metrics_row(step, results))
+        say(f"eval step {step} | " + " | ".join(summary(n, m) for n, m in results.items()))
 
     def scorer(self) -> Scorer:
         """A Scorer of this run's model on its layout (train.seq_len windows)."""

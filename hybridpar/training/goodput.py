@@ -164,3 +164,18 @@ def _read(run_dir: Path, notes: list[str]) -> dict | None:
         notes.append(f"warning: {path} is unreadable ({type(e).__name__}: {str(e)[:80]}); the time accounting "
                      f"starts again from this start")
         return None
+
+
+@dataclass
+class Clock:
+    """The loop's timers: the data waits of train steps (since the last log row, and since the start), and where
+    the interval a log row's throughput covers began (time, step)."""
+    data_wait: float = 0.0
+    data_wait_total: float = 0.0
+    since: float = 0.0
+    since_step: int = 0
+
+    def mark(self, step: int | None = None) -> float:
+        self.since = time.perf_counter()
+        self.since_step = self.since_step if step is None else step
+        return self.since

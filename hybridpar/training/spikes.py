@@ -56,6 +56,14 @@ def check_skips(cfg, step: int, saved, windows, n_batches: int) -> ConfigError |
     return None
 
 
+def refuse_skips(cfg, step: int, saved, windows, n_batches: int) -> None:
+    """check_skips, raised: every rank checks the same numbers (said once)."""
+    error = check_skips(cfg, step, saved, windows, n_batches)
+    if error is not None:
+        error.on_every_rank = True
+        raise error
+
+
 def spike_reason(what: str, value: float, history: list[float], zscore: float, min_rise: float) -> str | None:
     """Why `value` is a spike against `history` (a full window of earlier values): more than zscore standard
     deviations above the window's mean and at least min_rise (a fraction) above it; None when it is not one."""

@@ -1,5 +1,6 @@
-"""The training loop's one mutable record: where the run is and what it decided on the way. A checkpoint saves it, a
-resume or a rewind replaces it, and nothing else holds a copy of these numbers."""
+"""The training loop's one mutable record (TrainState): where the run is and what it decided on the way. A
+checkpoint saves it, a resume or a rewind replaces it, and nothing else holds a copy of these numbers. Beside it,
+what the loop returns (TrainResult) and a stop asked for by a signal (Stop)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,21 @@ class TrainState:
         state = cls()
         state.load_state_dict(saved)
         return state
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    unigram_loss: float = float("nan")
+    sample: str = ""
+    wall_time: float = 0.0
+    preempted: bool = False  # stopped early by a signal (after saving, when checkpointing is on)
+
+
+@dataclass
+class Stop:
+    """A stop asked for by a signal (request_stop), acted on at the end of the step (after the current microbatch
+    when no checkpoint would be saved); voted: some rank asked (read from a step's status)."""
+    requested: bool = False
+    signum: int = 0
+    voted: bool = False
