@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from hybridpar.data.provenance import Ledger
@@ -155,7 +154,7 @@ def _segment_ledger(seg: dict, windows, steps: int) -> Ledger:
     d, t = cfg.data, cfg.train
     plan = StagePlan.parse(d.stages, t.global_batch_size, t.seq_len) if d.stages else None
     tokenizer = load_data_tokenizer(d, plan)
-    data = build_training_data(_DataRun(cfg, tokenizer, plan, torch.device("cpu")), 0, 1)
+    data = build_training_data(cfg, tokenizer, plan, 0, 1)
     data.train.close()  # (only the dataset is read: no loader thread)
     if seg.get("stage_origin"):  # a start that changed the stages: the sampler continued each source's count
         import numpy as np
@@ -167,15 +166,6 @@ def _segment_ledger(seg: dict, windows, steps: int) -> Ledger:
     sources = {n: str(builtin) if n == "builtin" else n for n in names}
     aliases = {short: sources[n] for short, n in zip(source_names(names), names) if short not in sources}
     return Ledger(data.train.dataset, t.global_batch_size, windows, steps, sources, tokenizer, aliases)
-
-
-@dataclass
-class _DataRun:
-    """What build_training_data reads of a resolved run."""
-    cfg: object
-    tokenizer: object
-    stages: object
-    device: object
 
 
 def _blend_names(path: str) -> list[str]:

@@ -61,7 +61,7 @@ class Trainer:
             self.say(note)
         t0 = time.perf_counter()
         dp_rank, dp_size = dp_rank_size(mesh)
-        self.data = build_training_data(run, dp_rank, dp_size)
+        self.data = build_training_data(cfg, run.tokenizer, run.stages, dp_rank, dp_size, device.type == "cuda")
         self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (indexes, sample order)")
         tasks = load_tasks(cfg.train.eval_tasks, cfg.data)  # read and checked now: a bad task file stops the start
         # Model: built and parallelised on the meta device; this rank materialises and initialises only its shards,
@@ -83,7 +83,7 @@ class Trainer:
         self.state = TrainState(skip_windows=list(cfg.data.skip_windows),
                                 data_segments=[segment(cfg, 0, self.data.prefixes)])
         self.status = StatusQueue()
-        refuse_skips(cfg, 0, [], self.state.skip_windows, self.data.train.n_steps)
+        refuse_skips(cfg, 0, [], self.state.skip_windows, self.data.train.n_batches)
         self.stop, self.clock = Stop(), Clock()
         self.goodput: Goodput | None = None  # fit()'s time accounting (hybridpar.training.goodput)
         self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
@@ -130,7 +130,7 @@ class Trainer:
         saved, changes = self.checkpointer.load(path, self.model, self.optimizer, self.position(), weights_only)
         if saved is not None:
             self.state, origin = resumed_state(self.cfg, path, saved, self.state.data_segments[-1], self.run.stages,
-                                               self.data.train.n_steps, self.run_dir, skipped)
+                                               self.data.train.n_batches, self.run_dir, skipped)
             if origin is not None:
                 self.data.train.dataset.restart_at(*origin)
         return changes

@@ -21,7 +21,8 @@ from conftest import ROOT, loss_curve, metrics_rows, run_cli, step_rows, user_en
 from hybridpar.checkpoint.dcp import load_full_model_state, read_trainer_state
 from hybridpar.checkpoint.layout import checkpoint_dir, list_checkpoints, step_of
 from hybridpar.config import Config, DataConfig, SpikeConfig, TrainConfig, merge_windows
-from hybridpar.training.spikes import batch_number, check_skips, find_spike, spike_reason
+from hybridpar.data.positions import batch_number
+from hybridpar.training.spikes import check_skips, find_spike, spike_reason
 
 # -- the pieces, against hand computations ------------------------------------------------------------------------
 

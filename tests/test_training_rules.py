@@ -50,7 +50,8 @@ def test_data_order_follows_the_seed(cache_dir):
     def first_batch(seed: int) -> torch.Tensor:
         cfg = load_config(["--train.seed", str(seed), "--train.global_batch_size", "8", "--train.seq_len", "64",
                            "--train.micro_batch_size", "8", "--data.cache_dir", str(cache_dir)])
-        data = build_training_data(resolve(cfg, WorldInfo(0, 1, 0, 1), torch.device("cpu")), dp_rank=0, dp_size=1)
+        run = resolve(cfg, WorldInfo(0, 1, 0, 1), torch.device("cpu"))
+        data = build_training_data(run.cfg, run.tokenizer, run.stages, dp_rank=0, dp_size=1)
         try:
             return torch.cat([x for x, _ in data.train.microbatches(0)])
         finally:

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint, list_checkpoints, remove_step_dir, step_of
 from hybridpar.config import merge_windows
 from hybridpar.parallel.distributed import local_tensor
-from hybridpar.training.spikes import batch_number, find_spike, windows_text
+from hybridpar.data.positions import batch_number, windows_text
+from hybridpar.training.spikes import find_spike
 from hybridpar.training.state import TrainState
 
 LOCAL_STATS_STEPS = 10_000  # steps of this rank's own numbers kept for spike.rerun (a rerun compares those it has)

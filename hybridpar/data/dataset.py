@@ -20,8 +20,8 @@ import numpy as np
 from hybridpar.errors import ConfigError, DataError
 from hybridpar.config import DataConfig
 from hybridpar.data.corpus import load_builtin_corpus
-from hybridpar.data.gpt_data import (GlobalBatchLoader, PlainSamples, build_gpt_datasets, build_passes, check_prefixes, open_blend,
-                                     rank_zero_first, release_index_readers, split_ranges)
+from hybridpar.data.gpt_data import (BlendSamples, GlobalBatchLoader, PlainSamples, build_gpt_datasets, build_passes,
+                                     check_prefixes, open_blend, rank_zero_first, release_index_readers, split_ranges)
 from hybridpar.data.indexed import IndexedTokens, idx_path
 from hybridpar.data.preprocess import preprocess
 from hybridpar.data.stages import StagedDataset, StagePlan, StageSampler
@@ -122,14 +122,14 @@ def train_batches(cfg) -> int:
     return t.steps + (s.max_rewinds * s.skip if t.spike == "rewind" else 0)
 
 
-def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
-    """The data of a resolved run (hybridpar.resolve.Run), in one straight flow: the run's tokenizer -> the indexed
-    files (the built-in corpus built into the cache first), each opened and checked once -> the blend and splits,
-    parsed once -> megatron-core's sample order -> this rank's loaders."""
-    cfg, tokenizer = run.cfg, run.tokenizer
+def build_training_data(cfg, tokenizer, stages, dp_rank: int, dp_size: int, pin: bool = False) -> TrainingData:
+    """The data of a resolved config (its tokenizer, and its StagePlan or None: hybridpar.resolve.Run's), in one
+    straight flow: the indexed files (the built-in corpus built into the cache first), each opened and checked once
+    -> the blend and splits, parsed once -> megatron-core's sample order -> this rank's loaders (pin: their batches
+    in pinned memory, for a GPU)."""
     d, t, vocab = cfg.data, cfg.train, cfg.model.vocab_size
-    if run.stages is not None:
-        return _staged_training_data(run, dp_rank, dp_size)
+    if stages is not None:
+        return _staged_training_data(cfg, tokenizer, stages, dp_rank, dp_size, pin)
     if d.path == "builtin":
         path, description = rank_zero_first(lambda: prepare_builtin(d, tokenizer))
     else:
@@ -141,7 +141,6 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
     sets = build_gpt_datasets(blend, indexes, d.split, d.split_fractions, t.seq_len, t.seed, tokenizer, vocab,
                               {"train": train_batches(cfg) * t.global_batch_size, "valid": n_valid},
                               d.cache_path)
-    pin = run.device.type == "cuda"
     ds = sets["train"]  # one GPTDataset (one pass = the split's tokens / seq_len), or a blend built to its shares
     per_pass = _per_pass(ds) if len(blend) == 1 else None
     needed = (t.steps + sum(b - a + 1 for a, b in d.skip_windows)) * t.global_batch_size  # (a fresh run's skips)
@@ -152,8 +151,8 @@ def build_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
         raise DataError(f"data.path reads {p} past its one pass ({one:,} train samples, {drawn:,} drawn in "
                         f"train.steps={t.steps}) with data.source_exhausted stop; add data, lower its weight, train "
                         f"fewer steps, or pass --data.source_exhausted wrap")
-    train = GlobalBatchLoader(PlainSamples(ds, t.micro_batch_size, per_pass), t.global_batch_size, dp_rank, dp_size,
-                              vocab, "train", pin_memory=pin)
+    samples = (PlainSamples if len(blend) == 1 else BlendSamples)(ds, t.micro_batch_size, per_pass)
+    train = GlobalBatchLoader(samples, t.global_batch_size, dp_rank, dp_size, vocab, "train", pin_memory=pin)
     valid = _valid_batches(sets["valid"], t, dp_rank, dp_size, vocab)
     unigram = (unigram_loss(indexes[blend[0][1]], d.split_fractions, tokenizer.vocab_size) if len(blend) == 1
                else float("nan"))
@@ -217,12 +216,11 @@ def check_pass_count(streams, needs: list[int], per_pass: list[int], drawn: list
                     + (f" (the other streams need {other:,})" if other else ""))
 
 
-def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
+def _staged_training_data(cfg, tokenizer, plan, dp_rank: int, dp_size: int, pin: bool) -> TrainingData:
     """The data of a run with data.stages (hybridpar.data.stages): every source opened and checked once, each
     stream's first pass (and each source's validation samples, at train.seq_len) built, the draws of the whole run
     counted to know how many passes each stream needs (data.source_exhausted: wrap builds them, stop refuses the
     run), then the position-keyed loader."""
-    cfg, tokenizer, plan = run.cfg, run.tokenizer, run.stages
     d, t, vocab, G = cfg.data, cfg.train, cfg.model.vocab_size, cfg.train.global_batch_size
     builtin = rank_zero_first(lambda: prepare_builtin(d, tokenizer))[0] if "builtin" in plan.sources else None
     path = {p: builtin if p == "builtin" else p for p in plan.sources}
@@ -249,9 +247,9 @@ def _staged_training_data(run, dp_rank: int, dp_size: int) -> TrainingData:
         passes += build_passes(path[prefix], range(1, needs[s]), *split, length, t.seed, tokenizer,
                                d.cache_path)[0]
     names = source_names(plan.sources)
-    dataset = StagedDataset(sampler, streams, n_batches * G, names, t.micro_batch_size, t.seq_len)
-    train = GlobalBatchLoader(dataset, G, dp_rank, dp_size, vocab, "train",
-                              pin_memory=run.device.type == "cuda")
+    dataset = StagedDataset(sampler, streams, n_batches * G, names, t.micro_batch_size, t.seq_len,
+                            [str(path[p]) for p, _ in plan.streams])
+    train = GlobalBatchLoader(dataset, G, dp_rank, dp_size, vocab, "train", pin_memory=pin)
     n_valid = t.eval_batches * G if t.eval_interval else 0
     valid_sources = {n: _valid_batches(build_passes(path[p], range(0), *split, t.seq_len, t.seed, tokenizer,
                                                     d.cache_path, n_valid)[1], t, dp_rank, dp_size, vocab)

@@ -240,12 +240,18 @@ def release_index_readers() -> None:
 
 
 class Samples(Protocol):
-    """What the loader reads (PlainSamples, hybridpar.data.stages.StagedDataset): samples by global position."""
+    """What the loader reads and provenance asks (PlainSamples, BlendSamples, hybridpar.data.stages.StagedDataset):
+    samples by global position, and where each comes from."""
     per_pass: int | None  # samples one pass over the split holds (None: built to a blend's or stages' shares)
 
     def __len__(self) -> int: ...
     def rows(self, positions: range) -> list[dict]: ...  # consecutive positions inside one global batch
     def micro_batch(self, batch: int, per_rank: int) -> int: ...  # sequences per microbatch in 0-based batch
+    # (source prefix, pass (None: one split read in order), its megatron-core GPTDataset, the sample in it)
+    def locate(self, position: int) -> tuple[str, int | None, object, int]: ...
+    # (position or None, pass, what hits found) of each sample of source `prefix` that hits(GPTDataset) ->
+    # [(sample, found)] finds
+    def holding(self, prefix: str, hits) -> list[tuple[int | None, int | None, object]]: ...
 
 
 class PlainSamples:
@@ -260,46 +266,73 @@ class PlainSamples:
     def rows(self, positions: range) -> list[dict]:
         return [self.dataset[i] for i in positions]
 
+    def locate(self, position: int) -> tuple[str, int | None, object, int]:
+        return str(self.dataset.dataset_path), None, self.dataset, position
+
+    def holding(self, prefix: str, hits) -> list[tuple[int | None, int | None, object]]:
+        return [(i, None, found) for i, found in hits(self.dataset)] if str(self.dataset.dataset_path) == prefix else []
+
     def micro_batch(self, batch: int, per_rank: int) -> int:
         return self.micro
 
 
+
+class BlendSamples(PlainSamples):
+    """A megatron-core BlendedDataset as Samples: position p is sample dataset_sample_index[p] of part
+    dataset_index[p]."""
+
+    def locate(self, position: int) -> tuple[str, int | None, object, int]:
+        ds = self.dataset
+        part = ds.datasets[int(ds.dataset_index[position])]
+        return str(part.dataset_path), None, part, int(ds.dataset_sample_index[position])
+
+    def holding(self, prefix: str, hits) -> list[tuple[int | None, int | None, object]]:
+        ds, found = self.dataset, []
+        index, sample_index = np.asarray(ds.dataset_index), np.asarray(ds.dataset_sample_index)
+        for d, part in enumerate(ds.datasets):
+            if str(part.dataset_path) == prefix:
+                where = dict(hits(part))
+                mine = np.flatnonzero((index == d) & np.isin(sample_index, np.fromiter(where, np.int64)))
+                found += [(int(p), None, where[int(sample_index[p])]) for p in mine]
+        return found
+
 class GlobalBatchLoader:
-    """This data-parallel rank's microbatches of global batch `step`, with the next steps read ahead by a
-    background thread (the device never waits on disk), and every batch's token ids checked against the vocab."""
+    """This data-parallel rank's microbatches of a global batch (0-based), with the next steps' batches read ahead
+    by a background thread (the device never waits on disk), and every batch's token ids checked against the vocab.
+    Which batch a step trains is the run's position (hybridpar.data.positions, through batch_for)."""
 
     def __init__(self, dataset: Samples, global_batch: int, dp_rank: int, dp_size: int, vocab_size: int,
                  name: str, prefetch: int = 2, pin_memory: bool = False):
         self.dataset, self.G, self.name = dataset, global_batch, name
         self.dp_rank, self.per_rank, self.vocab_size = dp_rank, global_batch // dp_size, vocab_size
         self.prefetch, self.pin = prefetch, pin_memory
-        self.n_steps = len(dataset) // global_batch
+        self.n_batches = len(dataset) // global_batch
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hybridpar-{name}-loader")
         self._pending: dict = {}
         self.crc32: dict[int, int] = {}  # batch -> CRC-32 of this rank's inputs and targets (pop it after use)
 
-    def sample_indices(self, step: int, rank_shift: int = 0) -> range:
-        first = step * self.G + (self.dp_rank + rank_shift) % (self.G // self.per_rank) * self.per_rank
+    def sample_indices(self, batch: int, rank_shift: int = 0) -> range:
+        first = batch * self.G + (self.dp_rank + rank_shift) % (self.G // self.per_rank) * self.per_rank
         return range(first, first + self.per_rank)
 
-    def load(self, step: int, rank_shift: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Global batch `step`'s microbatches for this rank (with rank_shift, data-parallel rank + shift's), read
+    def load(self, batch: int, rank_shift: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Global batch `batch`'s microbatches for this rank (with rank_shift, data-parallel rank + shift's), read
         now (no read-ahead)."""
-        idx = self.sample_indices(step, rank_shift)
+        idx = self.sample_indices(batch, rank_shift)
         rows = self.dataset.rows(idx)
         x = torch.stack([r["tokens"] for r in rows])
         y = torch.stack([r["labels"] for r in rows])
         mask = torch.stack([r["loss_mask"] for r in rows])
         y = y.masked_fill(mask == 0, IGNORE_INDEX)
-        micro = self.dataset.micro_batch(step, self.per_rank)
+        micro = self.dataset.micro_batch(batch, self.per_rank)
         hi, lo = int(torch.maximum(x.max(), y.max())), int(x.min())
         if hi >= self.vocab_size or lo < 0:
             raise DataError(f"{self.name} samples {idx.start}..{idx.stop - 1} hold token id {hi if lo >= 0 else lo} "
                             f"outside [0, model.vocab_size={self.vocab_size}): the data was tokenized with another "
                             f"tokenizer, or is damaged")
-        # What this rank trains on at `step`, in 32 bits: equal across a kill and resume, or between two runs, means
-        # the same tokens and targets in the same order (logged as batch_crc32).
-        self.crc32[step] = zlib.crc32(y.numpy().tobytes(), zlib.crc32(x.numpy().tobytes()))
+        # What this rank trains on in batch `batch`, in 32 bits: equal across a kill and resume, or between two runs,
+        # means the same tokens and targets in the same order (logged as batch_crc32).
+        self.crc32[batch] = zlib.crc32(y.numpy().tobytes(), zlib.crc32(x.numpy().tobytes()))
         if self.pin:
             x, y = x.pin_memory(), y.pin_memory()
         return [(x[m:m + micro], y[m:m + micro]) for m in range(0, self.per_rank, micro)]
@@ -308,8 +341,8 @@ class GlobalBatchLoader:
         """The microbatches that 0-based optimizer step `step` trains: global batch batch_for(step) (the step
         itself, or past the batches a run skips: TrainState.batch_for), with the next steps' batches read ahead."""
         index = batch_for(step)
-        if index >= self.n_steps:
-            raise DataError(f"{self.name} data has {len(self.dataset)} samples, {self.n_steps} global batches; "
+        if index >= self.n_batches:
+            raise DataError(f"{self.name} data has {len(self.dataset)} samples, {self.n_batches} global batches; "
                             f"step {step + 1} would train batch {index + 1}, past its end"
                             + (" (skipped batches moved it there: raise spike.skip x spike.max_rewinds, which "
                                "the split is built for, or skip fewer)" if index != step else ""))
@@ -321,7 +354,7 @@ class GlobalBatchLoader:
             del self.crc32[s]
         for s in range(step + 1, step + 1 + self.prefetch):
             s = batch_for(s)
-            if s < self.n_steps and s not in self._pending:
+            if s < self.n_batches and s not in self._pending:
                 self._pending[s] = self._pool.submit(self.load, s)
         return batch
 

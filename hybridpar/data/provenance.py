@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.distributed as dist
 
-from hybridpar.data.stages import draw_sources
+from hybridpar.data.positions import batch_number, step_of_batch
 from hybridpar.errors import DataError
 
 
@@ -118,43 +118,16 @@ class Ledger:
     # -- steps and positions ------------------------------------------------------------------------------------
     def batch_of(self, step: int) -> int:
         """The 0-based global batch that 1-based step `step` trained."""
-        b = step - 1
-        for first, last in self.windows:
-            if first - 1 <= b:
-                b += last - first + 1
-        return b
+        return batch_number(step, self.windows) - 1
 
     def step_of(self, batch: int) -> int | None:
         """The 1-based step that trained 0-based global batch `batch` (None: skipped, or past the run's steps)."""
-        skipped = 0
-        for first, last in self.windows:
-            if first - 1 <= batch <= last - 1:
-                return None
-            if last - 1 < batch:
-                skipped += last - first + 1
-        step = batch - skipped + 1
-        return step if step <= self.steps else None
+        step = step_of_batch(batch + 1, self.windows)
+        return step if step is not None and step <= self.steps else None
 
     # -- one position -----------------------------------------------------------------------------------------
-    def _locate(self, position: int) -> tuple[str, int | None, object, int]:
-        """(source prefix, pass (staged runs; None otherwise), its GPTDataset, sample number in it)."""
-        s = self.samples
-        sampler = getattr(s, "sampler", None)
-        if sampler is not None:  # data.stages
-            (stream,), (n,) = sampler.locate(range(position, position + 1))
-            passes = s.streams[int(stream)]
-            per_pass = len(passes[0])
-            return (self.sources[sampler.plan.streams[int(stream)][0]], int(n) // per_pass, passes[int(n) // per_pass],
-                    int(n) % per_pass)
-        ds = s.dataset
-        parts = getattr(ds, "datasets", None)
-        if parts is not None:  # a blend
-            part = parts[int(ds.dataset_index[position])]
-            return str(part.dataset_path), None, part, int(ds.dataset_sample_index[position])
-        return str(ds.dataset_path), None, ds, position
-
     def sample(self, position: int) -> dict:
-        source, pass_, ds, i = self._locate(position)
+        source, pass_, ds, i = self.samples.locate(position)
         parts, pad = sample_parts(ds, i)
         row = {"position": position, "source": self.name_of(source), "documents": [[p.document, p.start, p.stop] for p in parts]}
         if pass_ is not None:
@@ -183,32 +156,8 @@ class Ledger:
         lengths = _lengths(prefix)
         if not 0 <= document < len(lengths):
             raise DataError(f"--document {source}:{document}: {source} holds documents 0 to {len(lengths) - 1}")
-        found = []  # (position, pass, part)
-        s = self.samples
-        sampler = getattr(s, "sampler", None)
-        if sampler is not None:
-            for stream, ((name, _), passes) in enumerate(zip(sampler.plan.streams, s.streams)):
-                if self.sources[name] != prefix:
-                    continue
-                per_pass = len(passes[0])
-                for e, ds in enumerate(passes):
-                    for i, part in samples_with(ds, document):
-                        found.append((self._position_in_stream(stream, e * per_pass + i), e + 1, part))
-        else:
-            ds = s.dataset
-            parts = getattr(ds, "datasets", None)
-            if parts is None:
-                if str(ds.dataset_path) == prefix:
-                    found = [(i, None, part) for i, part in samples_with(ds, document)]
-            else:
-                index, sample_index = np.asarray(ds.dataset_index), np.asarray(ds.dataset_sample_index)
-                for d, sub in enumerate(parts):
-                    if str(sub.dataset_path) != prefix:
-                        continue
-                    hits = samples_with(sub, document)
-                    where = {i: part for i, part in hits}
-                    mine = np.flatnonzero((index == d) & np.isin(sample_index, np.fromiter(where, np.int64)))
-                    found += [(int(p), None, where[int(sample_index[p])]) for p in mine]
+        s, hits = self.samples, lambda ds: samples_with(ds, document)
+        found = s.holding(prefix, hits)  # (position, pass, part)
         out = []
         for position, pass_, part in sorted((f for f in found if f[0] is not None), key=lambda f: f[0]):
             if position >= len(s):
@@ -255,24 +204,6 @@ class Ledger:
                         out.append((name, doc))
                     seen.add(doc)
         return out
-
-    def _position_in_stream(self, stream: int, n: int) -> int | None:
-        """The global position of stream `stream`'s sample n (0-based): the batch by a binary search over the
-        per-batch counts, then that batch's draws."""
-        sampler, G = self.samples.sampler, self.global_batch
-        n_batches = len(self.samples) // G
-        lo, hi = sampler.origin_batch, n_batches  # counts_before(lo)[stream] <= n: find the last such batch
-        if sampler.counts_before(hi)[stream] <= n:
-            return None  # drawn by no batch the run's data covers
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if sampler.counts_before(mid)[stream] <= n:
-                lo = mid
-            else:
-                hi = mid
-        src = draw_sources(sampler.plan, np.arange(lo * G, (lo + 1) * G), sampler.seed)
-        k = n - int(sampler.counts_before(lo)[stream])
-        return lo * G + int(np.flatnonzero(src == stream)[k])
 
 
 def _lengths(prefix: str) -> np.ndarray:

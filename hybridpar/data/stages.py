@@ -266,9 +266,10 @@ class StagedDataset:
     per_pass = None  # (each stream has its own passes)
 
     def __init__(self, sampler: StageSampler, streams: list[list], n_samples: int, names: list[str],
-                 micro: int = 1, seq_len: int = 0):
+                 micro: int = 1, seq_len: int = 0, prefixes: list[str] | None = None):
         self.sampler, self.streams, self.n_samples, self.names = sampler, streams, n_samples, names
         self.micro, self.seq_len = micro, seq_len  # train.micro_batch_size and train.seq_len (micro_batch)
+        self.prefixes = prefixes or [p for p, _ in sampler.plan.streams]  # each stream's source, as a file prefix
 
     def __len__(self) -> int:
         return self.n_samples
@@ -290,6 +291,42 @@ class StagedDataset:
         """The samples of consecutive positions inside one global batch (what the loader reads)."""
         src, index = self.sampler.locate(positions)
         return [self.read(int(s), int(n)) for s, n in zip(src, index)]
+
+    def locate(self, position: int) -> tuple[str, int | None, object, int]:
+        """(source prefix, pass, its GPTDataset, sample in it) of a global position (gpt_data.Samples)."""
+        (s,), (n,) = self.sampler.locate(range(position, position + 1))
+        passes = self.streams[int(s)]
+        per_pass = len(passes[0])
+        return self.prefixes[int(s)], int(n) // per_pass, passes[int(n) // per_pass], int(n) % per_pass
+
+    def holding(self, prefix: str, hits) -> list[tuple[int | None, int | None, object]]:
+        """(position or None, 1-based pass, found) of every sample hits(GPTDataset) finds in the streams of `prefix`
+        (hybridpar.data.gpt_data.Samples)."""
+        found = []
+        for stream, passes in enumerate(self.streams):
+            if self.prefixes[stream] == prefix:
+                per_pass = len(passes[0])
+                for e, ds in enumerate(passes):
+                    found += [(self._position_in_stream(stream, e * per_pass + i), e + 1, part)
+                              for i, part in hits(ds)]
+        return found
+
+    def _position_in_stream(self, stream: int, n: int) -> int | None:
+        """The global position of stream `stream`'s sample n (0-based): the batch by a binary search over the
+        per-batch counts, then that batch's draws; None past the batches the data covers."""
+        sampler, G = self.sampler, self.sampler.G
+        lo, hi = sampler.origin_batch, len(self) // G  # counts_before(lo)[stream] <= n: find the last such batch
+        if sampler.counts_before(hi)[stream] <= n:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if sampler.counts_before(mid)[stream] <= n:
+                lo = mid
+            else:
+                hi = mid
+        src = draw_sources(sampler.plan, np.arange(lo * G, (lo + 1) * G), sampler.seed)
+        k = n - int(sampler.counts_before(lo)[stream])
+        return lo * G + int(np.flatnonzero(src == stream)[k])
 
     def micro_batch(self, batch: int, per_rank: int) -> int:
         """Sequences per microbatch in 0-based global batch `batch` (stage_micro_batch of its stage's length)."""

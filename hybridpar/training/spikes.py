@@ -1,42 +1,13 @@
-"""Loss spikes: the test against a running window and the batches a rewind skips (what a rewind does with them:
-hybridpar.checkpoint.recovery).
-
-Batches are numbered from 1 as the steps of a run that skips nothing: batch N is samples [(N-1) G, N G) of the
-train split (G the global batch). A run's skipped batches are a sorted list of inclusive (first, last) windows; step
-k then trains batch_number(k, windows), the k-th batch not in a window. The windows are part of a checkpoint's
-trainer state, so a resumed run never trains them.
-"""
+"""Loss spikes: the test against a running window, and data.skip_batches checked against a run's position (steps,
+batches and windows: hybridpar.data.positions; what a rewind does: hybridpar.checkpoint.recovery)."""
 
 from __future__ import annotations
 
 import math
 
-import torch
-
-from hybridpar.config import SpikeConfig, merge_windows
+from hybridpar.config import SpikeConfig
+from hybridpar.data.positions import batch_number
 from hybridpar.errors import ConfigError
-
-
-def batch_number(step: int, windows: list[tuple[int, int]]) -> int:
-    """The batch that 1-based step `step` trains: the step-th batch outside the (sorted, merged) windows."""
-    n = step
-    for first, last in windows:
-        if n < first:
-            break
-        n += last - first + 1
-    return n
-
-
-def windows_text(windows: list[tuple[int, int]]) -> str:
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in windows)
-
-
-def windows_tensor(windows: list[tuple[int, int]]) -> torch.Tensor:
-    return torch.tensor(windows, dtype=torch.int64).reshape(-1, 2)
-
-
-def windows_of(t: torch.Tensor) -> list[tuple[int, int]]:
-    return merge_windows((int(a), int(b)) for a, b in t.reshape(-1, 2).tolist())
 
 
 def check_skips(cfg, step: int, saved, windows, n_batches: int) -> ConfigError | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridpar.data.record import of_tensor, to_tensor
-from hybridpar.training.spikes import batch_number, windows_of, windows_tensor
+from hybridpar.data.positions import batch_number, windows_of, windows_tensor
 
 
 @dataclass
