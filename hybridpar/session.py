@@ -29,12 +29,23 @@ from hybridpar.errors import UserError
 from hybridpar.parallel.distributed import agent_gone, init_mesh, shutdown, watch_agent, world_from_env
 from hybridpar.resolve import Run, begin
 from hybridpar.trainer import Trainer
+from hybridpar.training.microbatch import StopMidStep
+from hybridpar.training.state import TrainResult
 
 EXIT_ABORTED = 76  # a second signal arrived while the preemption save was running
 EXIT_ORPHANED = 77  # the torchrun agent that started this worker died: stopped at once, nothing more written
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PREEMPTED = "PREEMPTED"  # <run.dir>/PREEMPTED: written when the run saved and stopped on a signal
 EVERY_RANK_ERROR_WAIT_S = 20  # the longest a rank other than 0 waits for rank 0 to say an error every rank has
+
+
+class StoppedWithoutCheckpoint(Exception):
+    """A signal stopped a run that saves no checkpoints: nothing to resume from. Its exit code is the shell's for
+    "ended by a signal" (128 + its number), so that a requeue wrapper waiting for 75 does not restart from step 0."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 def start_trainer(cfg: Config, own_run_dir: bool = False, checkpointing: bool = False) -> Trainer:
@@ -139,6 +150,32 @@ class Session:
             changes = trainer.resume(load_from, weights_only, skipped)
             seconds = time.perf_counter() - t0
         return trainer, changes, seconds
+
+    def train(self, cfg: Config, started: float | None = None) -> TrainResult:
+        """A training run in this process, in its order: the trainer, resumed; nothing more when it is finished
+        already; the signal handlers; the run dir's first writes; fit() (started: when the launch began, for the
+        goodput record). A stop with nothing saved is StoppedWithoutCheckpoint."""
+        trainer, data_changes, read_seconds = self.start(cfg)
+        if self.finished():
+            return TrainResult()
+        # Before the run writes anything: a signal from then on (a test, or SLURM, sees metrics.jsonl appear) is a
+        # preemption, not the default kill.
+        self.catch_signals()
+        self.open_run_dir(data_changes, read_seconds)
+        saving = trainer.cfg.checkpoint.interval > 0
+        try:
+            result = trainer.fit(started=started)
+        except StopMidStep as e:
+            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} in step "
+                                           f"{trainer.state.step + 1}, {e}; nothing saved (checkpoint.interval 0), "
+                                           f"so the run cannot be resumed", trainer.stop_signal) from None
+        if result.preempted and not saving:
+            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} after step "
+                                           f"{trainer.state.step}; nothing saved (checkpoint.interval 0), so the run "
+                                           f"cannot be resumed", trainer.stop_signal)
+        if result.preempted:
+            self.mark_preempted()
+        return result
 
     def catch_signals(self) -> None:
         """SIGTERM / SIGUSR1 (SLURM's warning before preemption or the time limit) / SIGINT (Ctrl-C): with

@@ -11,63 +11,27 @@ import time
 
 STARTED = time.time()  # this launch's start, before its imports: the goodput record's startup counts from here
 
-import signal  # noqa: E402
 import sys  # noqa: E402
 
 from hybridpar.config import Config  # noqa: E402
 from hybridpar.config.cli import help_text, load_config  # noqa: E402
 from hybridpar.errors import UserError  # noqa: E402
 from hybridpar.parallel.distributed import world_from_env  # noqa: E402
-from hybridpar.session import EVERY_RANK_ERROR_WAIT_S, Session  # noqa: E402
-from hybridpar.trainer import TrainResult  # noqa: E402
+from hybridpar.session import EVERY_RANK_ERROR_WAIT_S, Session, StoppedWithoutCheckpoint  # noqa: E402
+from hybridpar.training.state import TrainResult  # noqa: E402
 from hybridpar.training.step_status import TrainingDiverged  # noqa: E402
 from hybridpar.checkpoint.recovery import SpikeLimit  # noqa: E402
-from hybridpar.training.microbatch import StopMidStep  # noqa: E402
 
 
 EXIT_PREEMPTED = 75  # stopped by SIGTERM/SIGUSR1/SIGINT after saving: requeue me (EX_TEMPFAIL)
-# (hybridpar.session: 76 a second signal during the preemption save, 77 the torchrun agent died.) Stopped by a signal
-# with nothing saved (checkpoint.interval 0): 128 + the signal's number, the shell's convention for "ended by a
-# signal", so that a requeue wrapper waiting for 75 does not restart the run from step 0.
-
-
-class StoppedWithoutCheckpoint(Exception):
-    """A signal stopped a run that saves no checkpoints: nothing to resume from."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum
+# (hybridpar.session: 76 a second signal during the preemption save, 77 the torchrun agent died; a signal with
+# nothing saved: 128 + the signal's number, StoppedWithoutCheckpoint.)
 
 
 def main(cfg: Config) -> TrainResult:
     """Train with `cfg` on the processes the launcher started (one without a launcher)."""
     with Session() as session:
-        return _train(session, cfg)  # (its frame, holding the trainer, ends before the session shuts down)
-
-
-def _train(session: Session, cfg: Config) -> TrainResult:
-    """The session's trainer, resumed, then fit(); a stop with nothing saved is an error with the signal's exit code."""
-    trainer, data_changes, read_seconds = session.start(cfg)
-    if session.finished():
-        return TrainResult()
-    # Before the run writes anything: a signal from then on (a test, or SLURM, sees metrics.jsonl appear) is a
-    # preemption, not the default kill.
-    session.catch_signals()
-    session.open_run_dir(data_changes, read_seconds)
-    saving = trainer.cfg.checkpoint.interval > 0
-    try:
-        result = trainer.fit(started=STARTED)
-    except StopMidStep as e:
-        raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} in step "
-                                       f"{trainer.state.step + 1}, {e}; nothing saved (checkpoint.interval 0), so "
-                                       f"the run cannot be resumed", trainer.stop_signal) from None
-    if result.preempted and not saving:
-        raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} after step "
-                                       f"{trainer.state.step}; nothing saved (checkpoint.interval 0), so the run "
-                                       f"cannot be resumed", trainer.stop_signal)
-    if result.preempted:
-        session.mark_preempted()
-    return result
+        return session.train(cfg, started=STARTED)
 
 
 def cli(argv: list[str]) -> int:

@@ -468,15 +468,15 @@ def test_hsdp_replica_all_reduce_by_hand():
 
 
 def test_published_rows_beside_their_plans():
-    """KempnerForge's H200 sweep against the planner (hybridpar/planning/published.py): the transcription agrees with
+    """KempnerForge's H200 sweep against the planner (tests/published_runs.py): the transcription agrees with
     itself (published tokens/s = tokens per step / step time, and the parameter counts the sweep states), the table
     in docs/planning.md is the one the code prints, and which rows the planner reaches: memory (each planned under
     the recipe the row ran with) within 15% on every row but row 2; step time within 10% on every row and on the
-    1.3B single-GPU reference, with the time model's constants those that published.fit() derives from them."""
+    1.3B single-GPU reference, with the time model's constants those that tests/published_runs.py's fit() derives from them."""
     from hybridpar.models import get_model_config
     from hybridpar.planning.flops import matmul_params
     from hybridpar.planning import cost
-    from hybridpar.planning.published import ROWS, SEQ, compare, config, fit, table
+    from published_runs import ROWS, SEQ, compare, config, fit, table
 
     for row in ROWS:
         tokens = row.dp_shard * row.micro * row.accumulation * SEQ

@@ -56,8 +56,8 @@ GPUS: dict[str, GPU] = {
                 peak_fp8_tflops=4500.0),
 }
 
-# Efficiency constants of the step-time estimate, fitted to published measurements (hybridpar/planning/published.py:
-# fit(), the method in docs/planning.md; tests/test_plan.py checks these equal the fit): 14 rows of an FSDP2 + TP
+# Efficiency constants of the step-time estimate, fitted to published measurements (tests/published_runs.py: fit(),
+# the method in docs/planning.md; tests/test_plan.py checks these equal the fit): 14 rows of an FSDP2 + TP
 # sweep on H200s and a plain 1.3B step on one H200.
 GEMM_EFFICIENCY = 0.753   # model FLOPs / peak of a compiled dense step of a very wide model at large micro-batches
 GEMM_HALF_WIDTH = 768     # d_model at which that rate halves: wider layers run closer to it (width / (width + this))

@@ -1,4 +1,6 @@
-"""Published measurements the planner is held against, each planned with the recipe it was run with.
+"""Published measurements the planner is held against, each planned with the recipe it was run with: the data and
+the fit of the time model's constants (hybridpar/planning/cost.py keeps the fitted values; tests/test_plan.py checks
+they equal this fit). `python tests/published_runs.py` prints the table and the fit of docs/planning.md.
 
 KempnerForge's H200 sweep (KempnerInstitute/KempnerForge, benchmarks/mfu_scaling/mfu_scaling.md, dated 2026-04-05):
 Llama-3-shaped models (vocab 128,256 untied, GQA with 8 key/value heads, SwiGLU, RMSNorm, RoPE), sequence 4096,
