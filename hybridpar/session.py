@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.checkpoint.dcp import Checkpointer
-from hybridpar.checkpoint.recovery import SKIPPED_FILE, HostCopies, read_skipped
+from hybridpar.checkpoint.recovery import SKIPPED_FILE, read_skipped
 from hybridpar.config import Config
 from hybridpar.data.gpt_data import release_index_readers
 from hybridpar.errors import UserError
@@ -54,12 +54,12 @@ def start_trainer(cfg: Config, own_run_dir: bool = False, checkpointing: bool = 
     the trainer saves checkpoints and keeps host copies for spike rewinds (a training run's)."""
     run = begin(cfg, own_run_dir)
     try:
-        checkpointer = copies = None
+        checkpointer, keep = None, 0
         if checkpointing:
             checkpointer = Checkpointer(run.run_dir, run.cfg, run.tokenizer, run.device)
-            copies = HostCopies(run.cfg.spike.keep_in_memory if run.cfg.train.spike == "rewind" else 0)
+            keep = run.cfg.spike.keep_in_memory if run.cfg.train.spike == "rewind" else 0
         return Trainer(run, init_mesh(run.layout.degrees, run.device), init_weights=run.load_from is None,
-                       checkpointer=checkpointer, copies=copies)
+                       checkpointer=checkpointer, keep_in_memory=keep)
     except BaseException:
         if run.lock is not None:
             run.lock.release()

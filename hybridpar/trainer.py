@@ -23,8 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridpar.checkpoint.layout import checkpoint_dir, is_complete, list_checkpoints, step_of
-from hybridpar.checkpoint.recovery import HostCopies, Recovery
-from hybridpar.checkpoint.resume_checks import resumed_state
+from hybridpar.checkpoint.recovery import Recovery, resumed_state
 from hybridpar.data.dataset import build_training_data
 from hybridpar.data.record import segment
 from hybridpar.inference.in_training import Evaluator
@@ -47,10 +46,10 @@ from hybridpar.training.step_status import StatusQueue, StepReading, TrainingDiv
 
 class Trainer:
     def __init__(self, run: Run, mesh: DeviceMesh, init_weights: bool = True, checkpointer=None,
-                 copies: HostCopies | None = None):
+                 keep_in_memory: int = 0):
         """The loop of a resolved run on its mesh. init_weights=False leaves the shards uninitialised, for a
         checkpoint to be loaded into. Without a checkpointer (hybridpar.checkpoint.dcp) nothing is saved and a
-        loss spike is only reported; `copies` keeps the newest checkpoints in host memory for rewinds."""
+        loss spike is only reported; keep_in_memory: the newest checkpoints kept in host memory for rewinds."""
         cfg, device = run.cfg, run.device
         self.run, self.mesh = run, mesh
         set_numerics(cfg.train.deterministic, cfg.train.tf32)
@@ -75,7 +74,7 @@ class Trainer:
         self.evaluator = Evaluator(cfg, self.model, mesh, device, run.tokenizer, self.numerics, self.data, tasks,
                                    self._dp_sum, self._poll_stop)
         self.checkpointer = checkpointer
-        self.recovery = Recovery(cfg, run.run_dir, checkpointer, copies if copies is not None else HostCopies(0),
+        self.recovery = Recovery(cfg, run.run_dir, checkpointer, keep_in_memory,
                                  dp_rank, dp_size, device.type == "cpu" or cfg.train.deterministic, self.say,
                                  self._log)
         self._last_saved = -1  # the step of the newest checkpoint this process saved

@@ -1,8 +1,9 @@
-"""Recovery from a loss spike (train.spike=rewind), as one part of the loop: the host-memory copies of the newest
-checkpoints, the spike found and not yet acted on, this rank's numbers a rerun compares, the choice of checkpoint
-and skipped batches, the replay and its verdict (spike.rerun), the restore and the removal of the checkpoints after
-it. The trainer hands it the state, model and optimizer it acts on and a way to replay steps; it returns the loop's
-new state.
+"""The loop's state taken back from a checkpoint: after a kill or preemption (resumed_state: the checkpoint's
+position with this start's data record and skipped batches) and after a loss spike (train.spike=rewind, the Recovery
+part: the host-memory copies of the newest checkpoints, the spike found and not yet acted on, this rank's numbers a
+rerun compares, the choice of checkpoint and skipped batches, the replay and its verdict (spike.rerun), the restore
+and the removal of the checkpoints after it). The trainer hands it the state, model and optimizer it acts on and a
+way to replay steps; it returns the loop's new state.
 
 Every rank takes the same decisions: the spike test reads global values (the loss summed over data-parallel ranks,
 the global gradient norm), and a rerun's verdict is gathered from all ranks. The skipped batches and the rewind
@@ -28,6 +29,7 @@ from hybridpar.config import merge_windows
 from hybridpar.parallel.distributed import local_tensor
 from hybridpar.data.positions import batch_number, windows_text
 from hybridpar.training.spikes import find_spike
+from hybridpar.training.step_status import TrainingDiverged
 from hybridpar.training.state import TrainState
 
 LOCAL_STATS_STEPS = 10_000  # steps of this rank's own numbers kept for spike.rerun (a rerun compares those it has)
@@ -65,8 +67,8 @@ def write_skipped(run_dir: Path, windows: list[tuple[int, int]], rewinds: int) -
     os.replace(tmp, Path(run_dir) / SKIPPED_FILE)
 
 
-class SpikeLimit(RuntimeError):
-    """A spike after spike.max_rewinds rewinds."""
+class SpikeLimit(TrainingDiverged):
+    """A spike after spike.max_rewinds rewinds: training stops as when it diverges."""
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,10 @@ class HostCopies:
 class Recovery:
     """The loop's recovery part for one process. say/log: the trainer's console line and metrics row."""
 
-    def __init__(self, cfg, run_dir: Path, checkpointer, copies: HostCopies, dp_rank: int, dp_size: int,
+    def __init__(self, cfg, run_dir: Path, checkpointer, keep_in_memory: int, dp_rank: int, dp_size: int,
                  bitwise: bool, say: Callable[[str], None], log: Callable[[dict], None]):
-        self.cfg, self.run_dir, self.checkpointer, self.copies = cfg, Path(run_dir), checkpointer, copies
+        self.cfg, self.run_dir, self.checkpointer = cfg, Path(run_dir), checkpointer
+        self.copies = HostCopies(keep_in_memory)
         self.dp_rank, self.dp_size, self.bitwise, self.say, self.log = dp_rank, dp_size, bitwise, say, log
         self.spike: tuple[int, str] | None = None  # (step, why) of a spike found, acted on at the step's end
         self.local_stats: dict[int, tuple[float, float]] = {}  # step -> this rank's (loss share, grad shard norm^2)
@@ -334,3 +337,34 @@ def check_recorded_skips(cfg, state: TrainState, recorded: list[tuple[int, int]]
         raise CheckpointError(f"{where} records skipped batches {windows_text(other)}, which the checkpoint (step "
                               f"{state.step}, batch {trained}) trained: the file belongs to another history; "
                               f"delete it to resume with the checkpoint's own skipped batches")
+
+
+def resumed_state(cfg, path: Path, saved: dict, start: dict, stages, n_batches: int, run_dir: Path,
+                  skipped: tuple[list, int]):
+    """The loop's state resumed from checkpoint `path`'s saved position, and, for a staged run, where its sampler
+    restarts (stage_origin; None: where it stands). The data record is extended by this start's segment `start`
+    (refused when a source changed, unless checkpoint.allow_data_change); the skipped batches are the union of the
+    checkpoint's, data.skip_batches and `skipped` (the windows and rewind count the run dir recorded since that
+    checkpoint), each checked against the position."""
+    from hybridpar.checkpoint.resume_checks import stage_origin
+    from hybridpar.config import merge_windows
+    from hybridpar.data.record import extend
+    from hybridpar.training.spikes import refuse_skips
+    from hybridpar.training.state import TrainState
+
+    state = TrainState.of(saved)
+    state.data_segments = extend(state.data_segments, {**start, "from_step": state.step},
+                                 cfg.checkpoint.allow_data_change, path)
+    windows = list(state.skip_windows)
+    state.skip_windows = merge_windows(windows + list(cfg.data.skip_windows))
+    refuse_skips(cfg, state.step, windows, state.skip_windows, n_batches)
+    origin = None
+    if stages is not None:  # each source continues where it was, also after a change of stages
+        origin = stage_origin(path, cfg, stages, saved.get("stage_origin"), state.batch_for(state.step))
+        if origin is not None:
+            state.data_segments[-1] = {**state.data_segments[-1],  # (provenance rebuilds the sampler from it)
+                                       "stage_origin": [int(origin[0]), *map(int, origin[1])]}
+    check_recorded_skips(cfg, state, skipped[0], run_dir)
+    state.skip_windows = merge_windows(state.skip_windows + list(skipped[0]))
+    state.rewinds = max(state.rewinds, skipped[1])
+    return state, origin

@@ -119,33 +119,3 @@ def stage_origin(path: Path, cfg, plan, saved_origin, next_batch: int):
         counts = dict(zip(old.streams, drawn.tolist()))
     return next_batch, np.array([counts.get(s, 0) for s in plan.streams], np.int64)
 
-
-def resumed_state(cfg, path: Path, saved: dict, start: dict, stages, n_batches: int, run_dir: Path,
-                  skipped: tuple[list, int]):
-    """The loop's state resumed from checkpoint `path`'s saved position, and, for a staged run, where its sampler
-    restarts (stage_origin; None: where it stands). The data record is extended by this start's segment `start`
-    (refused when a source changed, unless checkpoint.allow_data_change); the skipped batches are the union of the
-    checkpoint's, data.skip_batches and `skipped` (the windows and rewind count the run dir recorded since that
-    checkpoint), each checked against the position."""
-    from hybridpar.checkpoint.recovery import check_recorded_skips
-    from hybridpar.config import merge_windows
-    from hybridpar.data.record import extend
-    from hybridpar.training.spikes import refuse_skips
-    from hybridpar.training.state import TrainState
-
-    state = TrainState.of(saved)
-    state.data_segments = extend(state.data_segments, {**start, "from_step": state.step},
-                                 cfg.checkpoint.allow_data_change, path)
-    windows = list(state.skip_windows)
-    state.skip_windows = merge_windows(windows + list(cfg.data.skip_windows))
-    refuse_skips(cfg, state.step, windows, state.skip_windows, n_batches)
-    origin = None
-    if stages is not None:  # each source continues where it was, also after a change of stages
-        origin = stage_origin(path, cfg, stages, saved.get("stage_origin"), state.batch_for(state.step))
-        if origin is not None:
-            state.data_segments[-1] = {**state.data_segments[-1],  # (provenance rebuilds the sampler from it)
-                                       "stage_origin": [int(origin[0]), *map(int, origin[1])]}
-    check_recorded_skips(cfg, state, skipped[0], run_dir)
-    state.skip_windows = merge_windows(state.skip_windows + list(skipped[0]))
-    state.rewinds = max(state.rewinds, skipped[1])
-    return state, origin
