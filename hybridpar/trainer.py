@@ -60,6 +60,8 @@ class Trainer:
             self.say(note)
         t0 = time.perf_counter()
         dp_rank, dp_size = dp_rank_size(mesh)
+        # the data-parallel axes' groups of more than one rank (sliced once: a mesh slice reads its ranks on the host)
+        self.dp_groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard") if mesh[a].size() > 1]
         self.data = build_training_data(cfg, run.tokenizer, run.stages, dp_rank, dp_size, device.type == "cuda")
         self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (indexes, sample order)")
         tasks = load_tasks(cfg.train.eval_tasks, cfg.data)  # read and checked now: a bad task file stops the start
@@ -94,7 +96,6 @@ class Trainer:
     run_dir = property(lambda self: self.run.run_dir)
     tokenizer = property(lambda self: self.run.tokenizer)
     rank = property(lambda self: dist.get_rank())
-    dp_size = property(lambda self: dp_rank_size(self.mesh)[1])
     stop_requested = property(lambda self: self.stop.requested)
     stop_signal = property(lambda self: self.stop.signum)
     flops_per_token = property(lambda self: self.rates.flops_per_token)
@@ -151,9 +152,8 @@ class Trainer:
 
     # -- collectives over the data-parallel axes -------------------------------------------------------------
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        for axis in ("dp_replicate", "dp_shard"):
-            if self.mesh[axis].size() > 1:
-                dist.all_reduce(t, group=self.mesh[axis].get_group())
+        for group in self.dp_groups:
+            dist.all_reduce(t, group=group)
         return t
 
     def _stop_vote(self) -> torch.Tensor:
