@@ -22,7 +22,7 @@ from hybridpar.models import ModelConfig
 from hybridpar.parallel import uses_fsdp
 from hybridpar.parallel.fsdp import reshard_after_forward
 from hybridpar.parallel.distributed import Layout
-from hybridpar.planning.shapes import numel, chunk, local_param_count, local_shape, param_specs
+from hybridpar.planning.shapes import chunk, local_sizes, numel, param_specs
 
 GIB = 2 ** 30
 
@@ -202,13 +202,12 @@ def accumulation_bytes(cfg: Config, layout: Layout, rank: int = 0) -> int:
     Otherwise: the sharded fp32 gradients the microbatches accumulate into (under HSDP, FSDP's partial
     reduce-scatter output of the same size), which the plan counts as grads_bytes_per_gpu. parallel.exact_reduction
     adds its int64 accumulator of the sharded gradients: (8 + 4) bytes per local parameter."""
-    numel = local_param_count(cfg.model, layout, rank)[0]
+    sizes = local_sizes(cfg.model, layout, rank)
     if cfg.parallel.exact_reduction:  # the int64 accumulator beside the (zero) fp32 gradients FSDP keeps
-        return (8 + 4) * numel
+        return (8 + 4) * sizes.params
     if not accumulates_unsharded(cfg, layout):
-        return 4 * numel
-    tp_local = local_param_count(cfg.model, Layout(1, 1, layout.tp), rank)[0]
-    return (_compute_bytes(cfg.train.precision) + 4) * tp_local
+        return 4 * sizes.params
+    return (_compute_bytes(cfg.train.precision) + 4) * sizes.tp_params
 
 
 def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
@@ -217,7 +216,8 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     Unsharded gradient accumulation adds the whole tensor-parallel-local model's gathered parameters and fp32
     gradients (accumulation_bytes_per_gpu; 0 otherwise; parallel.exact_reduction's int64 accumulator there)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    params = 4 * local_param_count(m, layout, rank)[0]
+    sizes = local_sizes(m, layout, rank)
+    params = 4 * sizes.params
     fsdp = uses_fsdp(cfg, layout.dp)
     bf16 = t.precision == "bf16"
     micro = t.micro_batch_size or t.global_batch_size // layout.dp
@@ -232,8 +232,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     buffers = 0
     if fsdp:
         pb = _compute_bytes(t.precision)
-        tp_only = Layout(1, 1, layout.tp)
-        block, root = local_param_count(m, tp_only, rank, "block")[0], local_param_count(m, tp_only, rank, "root")[0]
+        block, root = sizes.tp_block, sizes.tp_root
         reshard = reshard_after_forward(p)
         held = m.n_layers if reshard is False else min(m.n_layers, 1 + p.fsdp_prefetch)
         # unsharded parameters of the blocks in flight and of the root (kept from forward to backward), one
@@ -253,7 +252,7 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
         "fsdp_buffers_bytes_per_gpu": buffers,
         # (parallel.exact_reduction: its int64 accumulator, beside the gradients FSDP keeps)
         "accumulation_bytes_per_gpu": between if accumulates_unsharded(cfg, layout) else
-        8 * local_param_count(m, layout, rank)[0] if p.exact_reduction else 0,
+        8 * sizes.params if p.exact_reduction else 0,
         "between_microbatches_bytes_per_gpu": between,
     }
     on_gpu = ["activations_bytes_per_gpu", "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu",
@@ -264,18 +263,11 @@ def memory(cfg: Config, layout: Layout, rank: int = 0) -> dict:
     return out
 
 
-def _hidden(m: ModelConfig, layout: Layout, rank: int) -> list[tuple[tuple[int, int], int]]:
-    """(global shape, local elements) of each of Muon's matrices, in the model's order."""
-    from hybridpar.training.muon import HIDDEN_MATRIX
-
-    return [(spec.shape, numel(local_shape(spec, layout, rank))) for spec in param_specs(m)
-            if HIDDEN_MATRIX.fullmatch(spec.name)]
-
-
 def optimizer_bytes(cfg: Config, layout: Layout, rank: int = 0) -> int:
     """AdamW: two fp32 moments per parameter and a 4-byte step per tensor; Muon's matrices: one fp32 buffer."""
-    numel_, n_tensors = local_param_count(cfg.model, layout, rank)
-    hidden = _hidden(cfg.model, layout, rank) if cfg.optim.name == "muon" else []
+    sizes = local_sizes(cfg.model, layout, rank)
+    numel_, n_tensors = sizes.params, sizes.tensors
+    hidden = sizes.hidden if cfg.optim.name == "muon" else ()
     muon = sum(held for _, held in hidden)
     return 4 * muon + 8 * (numel_ - muon) + 4 * (n_tensors - len(hidden))
 
@@ -288,7 +280,7 @@ def muon_share(cfg: Config, layout: Layout, rank: int = 0) -> dict:
 
     if cfg.optim.name != "muon":
         return {"muon_ns_flops": 0, "muon_comm_bytes": 0}
-    hidden, (_, shard, tp_rank) = _hidden(cfg.model, layout, rank), layout.coords(rank)
+    hidden, (_, shard, tp_rank) = local_sizes(cfg.model, layout, rank).hidden, layout.coords(rank)
     return owner_share([shape for shape, _ in hidden], [held for _, held in hidden], layout.dp_shard * layout.tp,
                        shard * layout.tp + tp_rank, cfg.optim.muon_ns_steps, cfg.optim.muon_distribution == "gather")
 
@@ -324,29 +316,21 @@ def gemm_efficiency(tokens: int, d_model: int) -> float:
 def all_gather_bytes(cfg: Config, layout: Layout) -> int:
     """Bytes of one FSDP all-gather of the whole model by a TP rank (its tp shard of every parameter): the compute
     dtype's, or 1 byte for the weights train.fp8=tensorwise all-gathers in float8 (train.fp8_all_gather)."""
-    m, t = cfg.model, cfg.train
-    params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
+    t, sizes = cfg.train, local_sizes(cfg.model, layout)
     a = _compute_bytes(t.precision)
     if t.fp8 != "tensorwise" or not t.fp8_all_gather:
-        return params_tp * a
-    tp_only = Layout(1, 1, layout.tp)
-    fp8 = sum(held for _, held in _hidden(m, tp_only, 0))
-    if t.fp8_linears == "all":
-        fp8 += sum(numel(local_shape(spec, tp_only, 0)) for spec in param_specs(m) if spec.name == "lm_head.weight")
-    return fp8 + (params_tp - fp8) * a
+        return sizes.tp_params * a
+    fp8 = sizes.tp_hidden + (sizes.tp_head if t.fp8_linears == "all" else 0)
+    return fp8 + (sizes.tp_params - fp8) * a
 
 
 def root_gather_bytes(cfg: Config, layout: Layout) -> int:
     """The part of all_gather_bytes that is the root's (embeddings, final norm, LM head): FSDP keeps the root's
     parameters gathered from its forward to its backward, so it gathers them once a forward, the blocks twice."""
-    tp_only = Layout(1, 1, layout.tp)
-    root = local_param_count(cfg.model, tp_only, part="root")[0]
-    t, a = cfg.train, _compute_bytes(cfg.train.precision)
+    sizes, t, a = local_sizes(cfg.model, layout), cfg.train, _compute_bytes(cfg.train.precision)
     if t.fp8 == "tensorwise" and t.fp8_all_gather and t.fp8_linears == "all":
-        head = sum(numel(local_shape(spec, tp_only, 0)) for spec in param_specs(cfg.model)
-               if spec.name == "lm_head.weight")
-        return root * a - (a - 1) * head
-    return root * a
+        return sizes.tp_root * a - (a - 1) * sizes.tp_head
+    return sizes.tp_root * a
 
 
 def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict:
@@ -410,7 +394,7 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
     gathered = all_gather_bytes(cfg, layout)
     gather_bytes = scatter_bytes = 0
     if layout.dp > 1:
-        params_tp = local_param_count(m, Layout(1, 1, layout.tp))[0]
+        params_tp = local_sizes(m, layout).tp_params
         shard_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
         reshard = reshard_after_forward(p)
         root = root_gather_bytes(cfg, layout)
@@ -430,14 +414,14 @@ def step_time(cfg: Config, layout: Layout, gpu: GPU, gpus_per_node: int) -> dict
         rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
         hsdp = _ring(params_tp * grad_bytes / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
         exposed = exposed_fsdp(fsdp + hsdp, compute)
-    params_local = local_param_count(m, layout)[0]
+    params_local = local_sizes(m, layout).params
     optimizer = 28 * params_local / (gpu.hbm_gbps * 1e9)
     muon = muon_share(cfg, layout)  # rank 0: member 0 owns the most matrices
     muon_ns = muon["muon_ns_flops"] / (gpu.peak_tflops * 1e12 * gemm_efficiency(GEMM_FULL_RATE_TOKENS, m.d_model))
     muon_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
     muon_comm = muon["muon_comm_bytes"] / (muon_bw * 1e9 * LINK_EFFICIENCY)
     if cfg.optim.name == "muon":  # its matrices stream 20 bytes (read p, g, b; write p, b), not AdamW's 28
-        optimizer -= 8 * sum(held for _, held in _hidden(m, layout, 0)) / (gpu.hbm_gbps * 1e9)
+        optimizer -= 8 * sum(held for _, held in local_sizes(m, layout).hidden) / (gpu.hbm_gbps * 1e9)
     # selective checkpointing recomputes no matmul, but its norms, RoPE and activation: memory-bound, timed as
     # their outputs written and inputs read once more through HBM
     recompute_s = 0.0

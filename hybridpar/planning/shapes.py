@@ -102,3 +102,31 @@ def local_param_count(m: ModelConfig, layout: Layout, rank: int = 0, part: str =
 
 def numel(shape) -> int:
     return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class LocalSizes:
+    """One rank's parameter sizes on a layout, in elements: computed once (local_sizes) and read by every memory and
+    time term of the plan. tp_*: the tensor-parallel-local model (what FSDP gathers)."""
+    params: int  # this rank's shards
+    tensors: int
+    hidden: tuple[tuple[tuple[int, ...], int], ...]  # Muon's matrices: (global shape, local elements), model order
+    tp_params: int
+    tp_block: int  # one block
+    tp_root: int  # embeddings, final norm, LM head
+    tp_hidden: int  # the hidden matrices (the linears fp8 converts)
+    tp_head: int  # the LM head's weight
+
+
+@functools.lru_cache(maxsize=256)  # (every plan of a layout search asks for the same few)
+def local_sizes(m: ModelConfig, layout: Layout, rank: int = 0) -> LocalSizes:
+    from hybridpar.training.muon import HIDDEN_MATRIX
+
+    tp_only, specs = Layout(1, 1, layout.tp), param_specs(m)
+    hidden = [s for s in specs if HIDDEN_MATRIX.fullmatch(s.name)]
+    return LocalSizes(*local_param_count(m, layout, rank),
+                      tuple((s.shape, numel(local_shape(s, layout, rank))) for s in hidden),
+                      local_param_count(m, tp_only, rank)[0], local_param_count(m, tp_only, rank, "block")[0],
+                      local_param_count(m, tp_only, rank, "root")[0],
+                      sum(numel(local_shape(s, tp_only, rank)) for s in hidden),
+                      sum(numel(local_shape(s, tp_only, rank)) for s in specs if s.name == "lm_head.weight"))
