@@ -166,13 +166,13 @@ class Session:
         try:
             result = trainer.fit(started=started)
         except StopMidStep as e:
-            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} in step "
+            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop.signum).name} in step "
                                            f"{trainer.state.step + 1}, {e}; nothing saved (checkpoint.interval 0), "
-                                           f"so the run cannot be resumed", trainer.stop_signal) from None
+                                           f"so the run cannot be resumed", trainer.stop.signum) from None
         if result.preempted and not saving:
-            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop_signal).name} after step "
+            raise StoppedWithoutCheckpoint(f"stopped by {signal.Signals(trainer.stop.signum).name} after step "
                                            f"{trainer.state.step}; nothing saved (checkpoint.interval 0), so the run "
-                                           f"cannot be resumed", trainer.stop_signal)
+                                           f"cannot be resumed", trainer.stop.signum)
         if result.preempted:
             self.mark_preempted()
         return result
@@ -184,7 +184,7 @@ class Session:
         trainer, saving = self.trainer, self.trainer.cfg.checkpoint.interval > 0
 
         def handler(signum, _frame):
-            if trainer.stop_requested:
+            if trainer.stop.requested:
                 print(f"signal {signal.Signals(signum).name} again: aborting", file=sys.stderr, flush=True)
                 os._exit(EXIT_ABORTED)
             print(f"signal {signal.Signals(signum).name}: stopping " + ("after this step, with a checkpoint" if saving
@@ -213,7 +213,7 @@ class Session:
         from hybridpar.config.cli import dump_yaml, to_dict
 
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        trainer.tokenizer.save(run_dir)
+        run.tokenizer.save(run_dir)
         trainer.open_log(enabled=True, config_dict=to_dict(cfg))
         say = trainer.say
         say(f"run dir {run_dir}")

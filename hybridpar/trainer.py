@@ -1,10 +1,8 @@
-"""The trainer: one loop for every layout. It takes a resolved Run (hybridpar.resolve) and the mesh of its degrees,
-builds its data and model, and owns its parts: the loop's record (TrainState, what a checkpoint keeps, a resume or a
-rewind replaces), the queue of step statuses, the gradient reduction (hybridpar.training.reduction), the evaluator,
-and, in a training run (hybridpar.session), the checkpointer and the recovery from loss spikes
-(hybridpar.checkpoint.recovery). The parts are given what they need and return decisions; the loop acts on them. It
-writes into the run dir through them: checkpoints (and their removal after a rewind), skipped_batches.json,
-goodput.json and, once fit() opens it, the metrics log.
+"""The trainer: one loop for every layout, on a resolved Run (hybridpar.resolve) and the mesh of its degrees. It
+builds its data and model and owns its parts: the loop's record (TrainState: what a checkpoint keeps, a resume or a
+rewind replaces), the step statuses, the gradient reduction, the evaluator and, in a training run, the checkpointer
+and the recovery from spikes. They are given what they need and return decisions; the loop acts on them, and writes
+through them: checkpoints (removed after a rewind), skipped_batches.json, goodput.json, the metrics log.
 
 Host syncs: none inside a step with the fused AdamW (the default on GPUs): a non-finite gradient norm skips the
 update on the device (the optimizer's found_inf, as with a gradient scaler), and the norm with the ranks' stop votes
@@ -47,9 +45,8 @@ from hybridpar.training.step_status import StatusQueue, StepReading, TrainingDiv
 class Trainer:
     def __init__(self, run: Run, mesh: DeviceMesh, init_weights: bool = True, checkpointer=None,
                  keep_in_memory: int = 0):
-        """The loop of a resolved run on its mesh. init_weights=False leaves the shards uninitialised, for a
-        checkpoint to be loaded into. Without a checkpointer (hybridpar.checkpoint.dcp) nothing is saved and a
-        loss spike is only reported; keep_in_memory: the newest checkpoints kept in host memory for rewinds."""
+        """The loop of a resolved run on its mesh; init_weights=False leaves the shards for a checkpoint to fill.
+        Without a checkpointer nothing is saved and a spike is only reported; keep_in_memory: host copies kept."""
         cfg, device = run.cfg, run.device
         self.run, self.mesh = run, mesh
         set_numerics(cfg.train.deterministic, cfg.train.tf32)
@@ -94,12 +91,7 @@ class Trainer:
     cfg = property(lambda self: self.run.cfg)
     device = property(lambda self: self.run.device)
     run_dir = property(lambda self: self.run.run_dir)
-    tokenizer = property(lambda self: self.run.tokenizer)
     rank = property(lambda self: dist.get_rank())
-    stop_requested = property(lambda self: self.stop.requested)
-    stop_signal = property(lambda self: self.stop.signum)
-    flops_per_token = property(lambda self: self.rates.flops_per_token)
-    peak_tflops = property(lambda self: self.rates.peak_tflops)
 
     def open_log(self, enabled: bool, config_dict: dict | None = None) -> None:
         """Open the metrics logger into the run dir (fit() opens one, enabled on rank 0, when none is open)."""

@@ -87,8 +87,8 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, C
     t = cfg.train
     tps = t.global_batch_size * t.seq_len / step_time
     n = dist.get_world_size()
-    tflops = trainer.flops_per_token * tps / n / 1e12
-    peak = trainer.peak_tflops
+    tflops = trainer.rates.flops_per_token * tps / n / 1e12
+    peak = trainer.rates.peak_tflops
     total = sum(timed)
     from hybridpar.planning.cost import memory
 

@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.checkpoint.layout import checkpoint_dir, latest_checkpoint, list_checkpoints, remove_step_dir, step_of
+from hybridpar.checkpoint.resume_checks import stage_origin
 from hybridpar.config import merge_windows
+from hybridpar.data.record import extend
 from hybridpar.parallel.distributed import local_tensor
 from hybridpar.data.positions import batch_number, windows_text
-from hybridpar.training.spikes import find_spike
+from hybridpar.training.spikes import find_spike, refuse_skips
 from hybridpar.training.step_status import TrainingDiverged
 from hybridpar.training.state import TrainState
 
@@ -218,9 +220,8 @@ class Recovery:
         return history
 
     def save_refused(self, state: TrainState, step: int) -> str | None:
-        """Why checkpoint `step` is not to be saved, or None: never inside a non-finite streak (a resume would start
-        from the diverging state with its streak hidden; the latest complete checkpoint stays the one to resume
-        from), nor with a spike about to be rewound (not worth keeping)."""
+        """Why checkpoint `step` is not saved, or None: never inside a non-finite streak (a resume would hide it), nor
+        with a spike about to be rewound."""
         if state.skip_streak:
             latest = latest_checkpoint(self.run_dir)
             return (f"warning: not saving a checkpoint at step {step}: {state.skip_streak} non-finite step(s) in a "
@@ -236,12 +237,10 @@ class Recovery:
     def act(self, state: TrainState, model, optimizer, position: Callable[[TrainState], dict],
             write: Callable[[int, TrainState], None],
             replay: Callable[[TrainState, int, bool], TrainState]) -> TrainState | None:
-        """Act on the spike found (collective: every rank found it): the loop's state after it, or None when there is
-        nothing to go back to (no checkpointer: the warning was all). position(state): a checkpoint's position entries
-        of a state; write(step, state): save checkpoint `step` of the model and optimizer as they are, at `state`;
-        replay(state, step, rotate): the state after training from `state` to `step` (rotate: the last step on the
-        neighbour's batch). With spike.rerun, first replay up to the spike: when the replay differs, a fault made the
-        spike and training goes on from it, nothing skipped."""
+        """Act on the spike found (collective): the loop's state after it, None without a checkpointer (the warning
+        was all). position(state): its checkpoint entries; write(step, state): save the model and optimizer as
+        checkpoint `step`; replay(state, step, rotate): the state after training to `step` again. With spike.rerun,
+        a replay that differs shows a fault: training goes on from the spike, nothing skipped."""
         (step, why), self.spike = self.spike, None
         if self.checkpointer is None:
             return None
@@ -346,12 +345,6 @@ def resumed_state(cfg, path: Path, saved: dict, start: dict, stages, n_batches: 
     (refused when a source changed, unless checkpoint.allow_data_change); the skipped batches are the union of the
     checkpoint's, data.skip_batches and `skipped` (the windows and rewind count the run dir recorded since that
     checkpoint), each checked against the position."""
-    from hybridpar.checkpoint.resume_checks import stage_origin
-    from hybridpar.config import merge_windows
-    from hybridpar.data.record import extend
-    from hybridpar.training.spikes import refuse_skips
-    from hybridpar.training.state import TrainState
-
     state = TrainState.of(saved)
     state.data_segments = extend(state.data_segments, {**start, "from_step": state.step},
                                  cfg.checkpoint.allow_data_change, path)

@@ -104,11 +104,9 @@ def forward_backward_no_pipelining(
         loss_context: a context-manager factory around loss and backward (tensor parallelism's loss_parallel).
         stop_now: asked after each microbatch but the last; True raises StopMidStep (the step is abandoned).
         reduction: how the gradients reduce over the data-parallel ranks (hybridpar.training.reduction; default
-            MeanReduction(): FSDP's flags for one reduction at the last microbatch, the loss unscaled). Its
-            grad_scale multiplies the backward loss: FSDP averages gradients over the dp ranks, so the trainer's
-            is dp_size, turning that average into the sum the global mean needs. (FSDP2's
-            set_gradient_divide_factor(1) would say it once at wrap time, but it reduces with PREMUL_SUM, which gloo
-            does not have.)
+            MeanReduction(): one reduction at the last microbatch, the loss unscaled). Its grad_scale multiplies the
+            backward loss: the trainer's dp_size turns FSDP's average into the sum the global mean needs (FSDP2's
+            set_gradient_divide_factor(1) reduces with PREMUL_SUM, which gloo does not have).
     Returns:
         This rank's share of the global mean token loss (a detached device tensor; summing it over data-parallel
         ranks gives the global batch's mean loss). No host sync happens here.
