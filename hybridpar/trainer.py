@@ -29,7 +29,7 @@ from hybridpar.inference.tasks import load_tasks
 from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary, start_lines
 from hybridpar.parallel import start_notes
 from hybridpar.parallel.distributed import dp_rank_size, local_tensor, set_numerics
-from hybridpar.parallel.startup import build_parallel_model, plain_name
+from hybridpar.parallel.startup import build_parallel_model
 from hybridpar.planning.flops import Throughput
 from hybridpar.resolve import Run
 from hybridpar.training.goodput import Clock, Goodput
@@ -68,8 +68,7 @@ class Trainer:
         ns_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
         self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
         self.numerics = StepNumerics.of(cfg, self.model, mesh["tp"].size(), device)
-        names = {id(p): plain_name(n) for n, p in self.model.named_parameters()}
-        self.reduction = build_reduction(cfg, self.model, mesh, dp_size, names)
+        self.reduction = build_reduction(cfg, self.model, mesh, dp_size)
         self.evaluator = Evaluator(cfg, self.model, mesh, device, run.tokenizer, self.numerics, self.data, tasks,
                                    self._dp_sum, self._poll_stop)
         self.checkpointer = checkpointer

@@ -55,11 +55,12 @@ class MeanReduction:
         return {}
 
 
-def build_reduction(cfg, model, mesh, dp_size: int, names: dict[int, str]):
-    """The run's reduction. FSDP averages over the dp ranks; the loss wants the sum, hence the scale of dp_size.
-    names: id(parameter) -> its plain name (the exact mode's grids are keyed by it)."""
+def build_reduction(cfg, model, mesh, dp_size: int):
+    """The run's reduction. FSDP averages over the dp ranks; the loss wants the sum, hence the scale of dp_size."""
     if cfg.parallel.exact_reduction:  # (its module imports torch-private FSDP classes: only when chosen)
         from hybridpar.parallel.exact import ExactGradients
+        from hybridpar.parallel.startup import plain_name
 
-        return ExactGradients(model, mesh, names)
+        # the grids are keyed by each parameter's plain name, the same on every layout
+        return ExactGradients(model, mesh, {id(p): plain_name(n) for n, p in model.named_parameters()})
     return MeanReduction(float(dp_size) if isinstance(model, FSDPModule) else 1.0, cfg.parallel.accumulate_unsharded)
