@@ -10,13 +10,16 @@ a checkpointed block shows up as the input it keeps). Runs on the CPU; the figur
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 
 from hybridpar.planning.dry_run import saved_activation_bytes
 from hybridpar.models import build_model, get_model_config
 from hybridpar.parallel import apply_activation_checkpointing
-from hybridpar.planning.cost import activation_bytes
+from hybridpar.config.cli import load_config
+from hybridpar.parallel.distributed import Layout
+from hybridpar.planning.cost import activation_bytes, plan_of
 
 
 def main() -> None:
@@ -31,14 +34,16 @@ def main() -> None:
           f"(SDPA picks its fused attention kernel)")
     print(f"{'mode':<16} {'measured MiB':>12} {'planner MiB':>12} {'vs none':>8}")
     base = None
+    plan = replace(plan_of(replace(load_config([]), model=cfg), Layout(1, 1, 1)), precision="bf16" if a.autocast
+                   else "fp32", fsdp=False, sp=False, loss_chunk_tokens=0, compile=False, math_attention=False,
+                   fp8="off")
     for mode, every in (("none", 1), ("selective", 1), ("full", 2), ("full", 1)):
         torch.manual_seed(0)
         model = build_model(cfg, device="cpu")
         apply_activation_checkpointing(model, mode, every)
         x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len))
         saved = saved_activation_bytes(model, x, autocast=a.autocast)
-        est = activation_bytes(cfg, a.batch * a.seq_len, a.seq_len, 1, False, "bf16" if a.autocast else "fp32",
-                               False, mode, every)
+        est = activation_bytes(replace(plan, micro=a.batch, seq_len=a.seq_len, ac=mode, ac_every=every))
         planned = est["layers"] + est["outside_layers"] + est.get("autocast_weight_copies", 0)
         base = base or saved
         label = mode if mode != "full" else f"full/every {every}"

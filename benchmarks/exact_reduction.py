@@ -102,13 +102,13 @@ def curves(args) -> int:
         compare(f"mode off on {half.nproc} ranks against mode off on {args.nproc}", other, curves[False])
     from hybridpar.config.cli import load_config
     from hybridpar.parallel.distributed import Layout
-    from hybridpar.planning.cost import GPUS, step_time
+    from hybridpar.planning.cost import GPUS, plan_of, step_time
 
     for exact, d in dirs.items():
         times = [r["step_time"] for s, r in sorted(curves[exact].items()) if s > 5]
         cfg = load_config(["--parallel.dp_shard", str(args.nproc), "--parallel.exact_reduction", str(exact).lower(),
                            "--train.precision", "fp32"])
-        plan = step_time(cfg, Layout(1, args.nproc, 1), GPUS["h100"], 8)
+        plan = step_time(plan_of(cfg, Layout(1, args.nproc, 1)), GPUS["h100"], 8)
         print(f"  mode {'on ' if exact else 'off'}: median step time {statistics.median(times) * 1e3:.1f} ms; "
               f"step {args.profile_step} moved (rank 0) {moved(d)}; planner: all-gather "
               f"{plan['fsdp_gather_bytes']}, reduce-scatter {plan['fsdp_scatter_bytes']}")

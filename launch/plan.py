@@ -24,7 +24,7 @@ from hybridpar.config.cli import ConfigError, parse_command
 from hybridpar.models.config import doc
 from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
 from hybridpar.parallel.distributed import Layout
-from hybridpar.planning.cost import GIB, GPU, GPUS, memory, muon_share, step_time
+from hybridpar.planning.cost import GIB, GPU, GPUS, memory, plan_of, step_time
 from hybridpar.planning.layouts import rank_layouts
 from hybridpar.resolve import longest_stage, resolve
 
@@ -91,8 +91,9 @@ class _Vocabulary:
 def report(a, cfg, layout: Layout) -> dict:
     c = a.cluster
     gpu = cluster_gpu(c)
-    mem = memory(cfg, layout, a.rank)
-    est = step_time(cfg, layout, gpu, c.gpus_per_node)
+    plan = plan_of(cfg, layout, a.rank)
+    # the step is timed on rank 0, whose shards (ceil-sized first) and Muon share are the largest
+    mem, est = memory(plan), step_time(plan_of(cfg, layout) if a.rank else plan, gpu, c.gpus_per_node)
     usable = gpu.usable_bytes
     out = {"model": cfg.model.name, "gpu": c.gpu, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
            "world_size": layout.world, "rank": a.rank, "layout": dict(zip(MESH_AXES, (layout.dp_replicate,
@@ -102,7 +103,7 @@ def report(a, cfg, layout: Layout) -> dict:
            "activation_checkpointing": cfg.train.activation_checkpointing, "fsdp_strategy": cfg.parallel.fsdp_strategy,
            "accumulate_unsharded": cfg.parallel.accumulate_unsharded,
            **mem, "usable_bytes_per_gpu": usable, "fits": mem["total_bytes_per_gpu"] <= usable, **est,
-           "optimizer": cfg.optim.name, **muon_share(cfg, layout, a.rank)}
+           "optimizer": cfg.optim.name, **plan.muon}
     out["ranked"], out["top"] = rank_layouts(cfg, layout.world, c.gpus_per_node, gpu, a.top), a.top
     return out
 

@@ -32,8 +32,8 @@ import numpy as np
 
 from hybridpar.config import Config
 from hybridpar.config.cli import load_config
-from hybridpar.planning.cost import (GIB, GPUS, _ring, all_gather_bytes, exposed_fsdp, memory, step_time,
-                                     token_curve)
+from hybridpar.planning.cost import (GIB, GPUS, _ring, all_gather_bytes, exposed_fsdp, memory, plan_of,
+                                     step_time, token_curve)
 from hybridpar.parallel.distributed import Layout
 from hybridpar.planning.shapes import local_param_count
 
@@ -102,7 +102,7 @@ def config(row: Row) -> Config:
 
 def published_memory(cfg: Config, row: Row) -> dict[str, int]:
     """Bytes per GPU of a published row under its own recipe (the module's docstring), by part."""
-    plan = memory(cfg, Layout(1, row.dp_shard, row.tp))
+    plan = memory(plan_of(cfg, Layout(1, row.dp_shard, row.tp)))
     m, tokens = cfg.model, row.micro * SEQ
     embedding = m.vocab_size * m.d_model
     # replicated across TP ranks, sharded by FSDP: the (tp - 1) / tp of it hybridpar's plan does not hold
@@ -124,7 +124,7 @@ def published_fsdp_seconds(cfg: Config, row: Row) -> float:
         return 0.0
     m, gpu = cfg.model, GPUS["h200"]
     replicated = m.vocab_size * m.d_model * (row.tp - 1) // row.tp
-    gathered = all_gather_bytes(cfg, Layout(1, row.dp_shard, row.tp)) + 2 * replicated
+    gathered = all_gather_bytes(plan_of(cfg, Layout(1, row.dp_shard, row.tp))) + 2 * replicated
     params = local_param_count(m, Layout(1, 1, row.tp))[0] + replicated
     bw = gpu.nvlink_gbps if row.gpus <= GPUS_PER_NODE else gpu.internode_gbps
     return _ring(2 * row.accumulation * gathered, row.dp_shard, bw) + _ring(4 * params, row.dp_shard, bw)
@@ -132,7 +132,7 @@ def published_fsdp_seconds(cfg: Config, row: Row) -> float:
 
 def published_step(cfg: Config, row: Row) -> float:
     """A published row's step time as planned: hybridpar's time model with the row's FSDP schedule."""
-    s = step_time(cfg, Layout(1, row.dp_shard, row.tp), GPUS["h200"], GPUS_PER_NODE)
+    s = step_time(plan_of(cfg, Layout(1, row.dp_shard, row.tp)), GPUS["h200"], GPUS_PER_NODE)
     return s["step_time_s"] - s["fsdp_exposed_s"] + exposed_fsdp(published_fsdp_seconds(cfg, row), s["compute_s"])
 
 
@@ -150,7 +150,7 @@ def _features() -> tuple[np.ndarray, ...]:
     cases.append((load_config(REFERENCE_1_3B[0]), Layout(1, 1, 1), None))
     work, tp, fsdp, rest, width, measured = [], [], [], [], [], []
     for cfg, layout, row in cases:
-        s = step_time(cfg, layout, GPUS["h200"], GPUS_PER_NODE)
+        s = step_time(plan_of(cfg, layout), GPUS["h200"], GPUS_PER_NODE)
         t = cfg.train
         work.append(s["compute_at_peak_s"] / token_curve((t.micro_batch_size or t.global_batch_size) * t.seq_len))
         tp.append(layout.tp > 1)
@@ -195,7 +195,7 @@ def compare() -> list[dict]:
         cfg, layout = config(row), Layout(1, row.dp_shard, row.tp)
         step = published_step(cfg, row)
         theirs = sum(published_memory(cfg, row).values()) / GIB
-        ours = memory(cfg, layout)["total_bytes_per_gpu"] / GIB
+        ours = memory(plan_of(cfg, layout))["total_bytes_per_gpu"] / GIB
         out.append({"row": row, "step_s": step, "step_error": step / row.step_s - 1, "memory_gib": theirs,
                     "memory_error": theirs / row.memory_gib - 1, "hybridpar_memory_gib": ours})
     return out

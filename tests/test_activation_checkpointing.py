@@ -85,7 +85,10 @@ def test_selective_under_fp8_keeps_every_projection_and_recomputes_no_matmul():
 
     from hybridpar.config.cli import load_config
     from hybridpar.parallel.fp8 import convert_fp8
-    from hybridpar.planning.cost import activation_bytes
+    from dataclasses import replace
+
+    from hybridpar.parallel.distributed import Layout
+    from hybridpar.planning.cost import activation_bytes, plan_of
 
     cfg = load_config(["--model.name", "tiny", "--train.fp8", "tensorwise", "--train.precision", "fp32"])
     x = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -102,6 +105,6 @@ def test_selective_under_fp8_keeps_every_projection_and_recomputes_no_matmul():
 
     (flops_none, grads_none, _), (flops, grads, kept) = run("none"), run("selective")
     assert flops == flops_none and all(torch.equal(grads[n], g) for n, g in grads_none.items())
-    est = activation_bytes(cfg.model, 128, 64, tp=1, sp=False, precision="fp32", fsdp=False, ac="selective",
-                           fp8_blocks=True)
+    est = activation_bytes(replace(plan_of(cfg, Layout(1, 1, 1)), micro=2, seq_len=64, sp=False, precision="fp32",
+                                   fsdp=False, ac="selective", loss_chunk_tokens=0, compile=False))  # (fp8 blocks)
     assert kept == est["layers"] + est["outside_layers"]

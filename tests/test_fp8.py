@@ -149,7 +149,7 @@ def test_the_planner_counts_float8_all_gathers_and_both_peaks():
     """gpt3-1.3b on 16 H100s (dp_shard 16): tensorwise all-gathers its 24 x (4 x 2048^2 + 2 x 2048 x 8192) block
     weights in 1 byte and the rest in bf16's 2; the blocks' FLOPs run at the float8 peak, the rest at bf16's; MFU
     against both peaks; a GPU without float8 is refused."""
-    from hybridpar.planning.cost import GPUS, all_gather_bytes, step_time
+    from hybridpar.planning.cost import GPUS, all_gather_bytes, plan_of, step_time
     from hybridpar.planning.flops import flops_parts
     from hybridpar.parallel.distributed import Layout
 
@@ -157,15 +157,15 @@ def test_the_planner_counts_float8_all_gathers_and_both_peaks():
                        "--train.global_batch_size", "512", "--train.micro_batch_size", "4"])
     fp8 = replace(cfg, train=replace(cfg.train, fp8="tensorwise"))
     layout = Layout(1, 16, 1)
-    hidden, total = 24 * (4 * 2048 ** 2 + 2 * 2048 * 8192), all_gather_bytes(cfg, layout) // 2
-    assert all_gather_bytes(fp8, layout) == hidden + 2 * (total - hidden)
-    assert all_gather_bytes(replace(cfg, train=replace(cfg.train, fp8="rowwise")), layout) == 2 * total
-    est, est8 = step_time(cfg, layout, GPUS["h100"], 8), step_time(fp8, layout, GPUS["h100"], 8)
+    hidden, total = 24 * (4 * 2048 ** 2 + 2 * 2048 * 8192), all_gather_bytes(plan_of(cfg, layout)) // 2
+    assert all_gather_bytes(plan_of(fp8, layout)) == hidden + 2 * (total - hidden)
+    assert all_gather_bytes(plan_of(replace(cfg, train=replace(cfg.train, fp8="rowwise")), layout)) == 2 * total
+    est, est8 = step_time(plan_of(cfg, layout), GPUS["h100"], 8), step_time(plan_of(fp8, layout), GPUS["h100"], 8)
     parts = flops_parts(cfg.model, 2048)
     share = parts["blocks"] / sum(parts.values())
     assert est8["compute_s"] == pytest.approx(est["compute_s"] * ((1 - share) + share * 989.4 / 1978.9), rel=1e-12)
     assert est8["mfu_fp8"] == pytest.approx(est8["mfu"] * 989.4 / 1978.9, rel=1e-12) and est["mfu_fp8"] is None
-    assert est8["all_gather_bytes"] == all_gather_bytes(fp8, layout)
+    assert est8["all_gather_bytes"] == all_gather_bytes(plan_of(fp8, layout))
     with pytest.raises(ConfigError, match="^train.fp8=tensorwise needs float8 tensor cores, and the planned GPU has none"):
         check_fp8(fp8, torch.device("meta"), GPUS["a100"])
 

@@ -271,7 +271,7 @@ def test_muon_bytes_sent_on_ranks_are_the_planners(tmp_path, cache_dir):
 
     from conftest import run_cli
     from hybridpar.parallel.distributed import Layout
-    from hybridpar.planning.cost import muon_share
+    from hybridpar.planning.cost import plan_of
 
     run_dir = tmp_path / "run"
     argv = ["--train.steps", "2", "--train.global_batch_size", "8", "--train.seq_len", "32", "--model.n_layers", "3",
@@ -289,7 +289,7 @@ def test_muon_bytes_sent_on_ranks_are_the_planners(tmp_path, cache_dir):
             if e.get("ph") == "X" and e["name"] == "c10d::alltoall_base_":
                 splits = json.loads(e["args"]["Concrete Inputs"][4])  # the input split sizes, one per member
                 sent += 4 * (sum(splits) - splits[rank])
-        want = muon_share(cfg, Layout(1, 2, 2), rank)["muon_comm_bytes"]
+        want = plan_of(cfg, Layout(1, 2, 2), rank).muon["muon_comm_bytes"]
         assert sent == want > 0, (rank, sent, want)
         shares.add(want)
     assert len(shares) > 1  # the members' shares differ: a rank's own is measured, not a mean

@@ -402,7 +402,7 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
     import json
 
     from hybridpar.parallel.distributed import Layout
-    from hybridpar.planning.cost import GPUS, step_time
+    from hybridpar.planning.cost import GPUS, plan_of, step_time
 
     run_dir = tmp_path / "run"
     argv = ["--train.steps", "3", "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
@@ -415,7 +415,7 @@ def test_accumulate_unsharded_decides_the_collectives_of_a_training_step(unshard
     out = run_cli(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/pretrain_gpt.py",
                    *argv])
     assert out.returncode == 0, out.stderr[-3000:]
-    plan = step_time(load_config(argv), Layout(1, 2, 1), GPUS["h100"], 8)
+    plan = step_time(plan_of(load_config(argv), Layout(1, 2, 1)), GPUS["h100"], 8)
     traces = sorted((run_dir / "profile").glob("rank*.json"))
     assert len(traces) == 2
     for trace in traces:

@@ -19,7 +19,7 @@ from hybridpar.config.cli import load_config
 from hybridpar.planning.dry_run import saved_activation_bytes
 from hybridpar.models import build_model
 from hybridpar.parallel import apply_activation_checkpointing
-from hybridpar.planning.cost import GIB, activation_bytes, memory
+from hybridpar.planning.cost import GIB, activation_bytes, memory, plan_of
 from hybridpar.parallel.distributed import Layout
 from hybridpar.planning.shapes import chunk, local_shape, param_specs
 from warm import Results, spawn
@@ -28,6 +28,14 @@ _spec = importlib.util.spec_from_file_location("plan_cli", ROOT / "launch" / "pl
 plan_cli = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = plan_cli  # its dataclasses look their module up there
 _spec.loader.exec_module(plan_cli)
+
+
+def planned_activations(cfg, micro: int, seq: int, tp: int = 1, **fields) -> dict:
+    """The planner's activation_bytes for one microbatch of `micro` x `seq` tokens of cfg's model at tp, its other
+    settings the plain ones (one block at a time, no loss chunks, compile, math attention or fp8) unless given."""
+    plain = dict(sp=False, ac="none", ac_every=1, loss_chunk_tokens=0, compile=False, math_attention=False, fp8="off")
+    return activation_bytes(replace(plan_of(cfg, Layout(1, 1, tp)), micro=micro, seq_len=seq, **{**plain, **fields}))
+
 
 # (model, nodes, gpus per node, layout overrides, rank): 8, 64 and 1,024 ranks; first and last ranks, where the
 # ceil-sized chunks leave the last ones short (gpt3-13b's 6288-row vocabulary shard over 128 dp ranks gives the
@@ -96,8 +104,8 @@ def test_activation_bytes_equal_what_autograd_saves(family, precision, ac):
             p.data = p.data.bfloat16()
     batch, seq = 2, 128
     measured = saved_activation_bytes(model, torch.randint(0, 4096, (batch, seq)), autocast=precision == "autocast")
-    est = activation_bytes(cfg.model, batch * seq, seq, tp=1, sp=False, precision="fp32" if precision == "fp32"
-                           else "bf16", fsdp=precision == "bf16", ac=ac)
+    est = planned_activations(cfg, batch, seq, precision="fp32" if precision == "fp32" else "bf16",
+                              fsdp=precision == "bf16", ac=ac)
     kept = est["layers"] + est["outside_layers"] + est.get("autocast_weight_copies", 0)
     if precision == "bf16" and family == "gpt":
         norms = (cfg.model.n_layers * 2 if ac == "none" else 0) + 1  # checkpointed: only the final norm's are kept
@@ -111,14 +119,14 @@ def test_activation_bytes_equal_what_autograd_saves(family, precision, ac):
 def test_memory_parts_move_the_right_way():
     cfg = load_config(["--model.name", "gpt3-1.3b", "--train.seq_len", "2048", "--train.global_batch_size", "64",
                        "--train.micro_batch_size", "8", "--train.precision", "bf16"])
-    one = memory(cfg, Layout(1, 8, 1))
-    full = memory(replace(cfg, train=replace(cfg.train, activation_checkpointing="full")), Layout(1, 8, 1))
+    one = memory(plan_of(cfg, Layout(1, 8, 1)))
+    full = memory(plan_of(replace(cfg, train=replace(cfg.train, activation_checkpointing="full")), Layout(1, 8, 1)))
     assert full["activations_bytes_per_gpu"] < one["activations_bytes_per_gpu"] / 4
     assert full["params_bytes_per_gpu"] == one["params_bytes_per_gpu"]
     # fp32 master weights: 1.3B x 4 bytes / 8 ranks, AdamW twice that.
     assert abs(one["params_bytes_per_gpu"] * 8 / 4 - 1.316e9) < 0.01e9
     assert one["optimizer_bytes_per_gpu"] > 2 * one["params_bytes_per_gpu"]
-    tp2 = memory(cfg, Layout(1, 4, 2))
+    tp2 = memory(plan_of(cfg, Layout(1, 4, 2)))
     assert tp2["params_bytes_per_gpu"] == pytest.approx(full["params_bytes_per_gpu"], rel=0.01)
 
 
@@ -149,8 +157,8 @@ def test_reshard_to_a_node_sits_between_full_shard_and_keeping_parameters():
     layout, est, mem = Layout(1, 16, 1), {}, {}
     for value in ("full_shard", "shard_grad_op", "8"):
         cfg = load_config([*argv, "--parallel.fsdp_strategy", value])
-        mem[value] = memory(cfg, layout)["fsdp_buffers_bytes_per_gpu"]
-        est[value] = step_time(cfg, layout, GPUS["h100"], 8)
+        mem[value] = memory(plan_of(cfg, layout))["fsdp_buffers_bytes_per_gpu"]
+        est[value] = step_time(plan_of(cfg, layout), GPUS["h100"], 8)
     # one block's parameters, counted on the plain model (not through the planner's shapes)
     block_numel = sum(p.numel() for p in build_model(cfg.model, "meta", init=False).layers[0].parameters())
     # resharded to 8: every block keeps 1/8 of its bf16 parameters from forward to backward
@@ -165,7 +173,8 @@ def test_sequence_parallel_keeps_a_quarter_at_tp4():
     tp 4 keeps at most 0.27x (Megatron's ~1/tp) of tp 1's block activations. (The same formula equals the bytes
     each of 2 gloo ranks really saves: test_tp_activation_bytes_equal_what_each_rank_saves.)"""
     cfg = load_config(["--model.name", "gpt3-1.3b"])
-    one, four = (activation_bytes(cfg.model, 2048, 2048, tp, True, "bf16", True, "none")["layers"] for tp in (1, 4))
+    one, four = (planned_activations(cfg, 1, 2048, tp, sp=True, precision="bf16", fsdp=True, ac="none")["layers"]
+                 for tp in (1, 4))
     assert four <= 0.27 * one, four / one
 
 
@@ -180,7 +189,7 @@ def test_larger_microbatches_win_when_they_fit():
     est = {}
     for micro in (1, 8):
         c = replace(cfg, train=replace(cfg.train, micro_batch_size=micro))
-        est[micro] = step_time(c, Layout(1, 8, 1), GPUS["h100"], 8)
+        est[micro] = step_time(plan_of(c, Layout(1, 8, 1)), GPUS["h100"], 8)
     # Hand count: 8 vs 1 microbatches, 24 blocks, 50 kernels x 5 us + 100 us of FSDP hooks per block and microbatch.
     assert est[1]["per_microbatch_overhead_s"] - est[8]["per_microbatch_overhead_s"] == pytest.approx(
         7 * 24 * (50 * 5e-6 + 100e-6))
@@ -219,8 +228,8 @@ def test_fused_loss_keeps_what_the_planner_says(family, precision):
     batch, seq = 2, 128
     x, y = torch.randint(0, 4096, (batch, seq)), torch.randint(0, 4096, (batch, seq))
     measured = saved_activation_bytes(model, x, targets=y)
-    est = activation_bytes(cfg.model, batch * seq, seq, tp=1, sp=False, precision=precision, fsdp=precision == "bf16",
-                           ac="none", fused_loss=True)
+    est = planned_activations(cfg, batch, seq, precision=precision, fsdp=precision == "bf16", ac="none",
+                              loss_chunk_tokens=1024)
     a = 2 if precision == "bf16" else 4
     kept = est["layers"] + est["outside_layers"] + batch * seq * cfg.model.d_model * a + cfg.model.vocab_size * cfg.model.d_model * a
     if precision == "bf16" and family == "gpt":
@@ -277,7 +286,7 @@ def test_tp_activation_bytes_equal_what_each_rank_saves(tmp_path, tp):
         cfg = load_config(["--model.name", "tiny"] + _tp_family(family, tp))
         for sp in (True, False):
             for ac in ("none", "selective"):
-                est = activation_bytes(cfg.model, 2 * 128, 128, tp=tp, sp=sp, precision="fp32", fsdp=False, ac=ac)
+                est = planned_activations(cfg, 2, 128, tp, sp=sp, precision="fp32", fsdp=False, ac=ac)
                 want = est["layers"] + est["outside_layers"]
                 assert [results[r][family, sp, ac] for r in range(tp)] == [want] * tp, (family, sp, ac, want)
     assert results[0]["gpt", True, "selective"] < results[0]["gpt", True, "none"]
@@ -355,7 +364,7 @@ def test_bytes_held_between_microbatches_equal_the_planner(tmp_path):
         cfg = load_config(["--model.name", "tiny", "--train.precision", precision, "--train.seq_len", "64",
                            "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
                            "--parallel.accumulate_unsharded", str(unsharded).lower()])
-        plan = memory(cfg, Layout(*degrees))
+        plan = memory(plan_of(cfg, Layout(*degrees)))
         want = plan["between_microbatches_bytes_per_gpu"]
         params = plan["params_bytes_per_gpu"]
         assert want == (params // 4 * (4 + (4 if precision == "fp32" else 2)) * degrees[1] if unsharded else params)
@@ -379,15 +388,15 @@ def test_math_attention_bytes_equal_what_autograd_saves(seq):
     model = build_model(cfg.model, device="cpu")
     with sdpa_kernel([SDPBackend.MATH]):
         measured = saved_activation_bytes(model, torch.randint(0, 4096, (2, seq)))
-    est = activation_bytes(cfg.model, 2 * seq, seq, 1, False, "fp32", False, "none", math_attention=True)
+    est = planned_activations(cfg, 2, seq, precision="fp32", fsdp=False, math_attention=True)
     assert est["layers"] + est["outside_layers"] == measured
-    fused = activation_bytes(cfg.model, 2 * seq, seq, 1, False, "fp32", False, "none")
+    fused = planned_activations(cfg, 2, seq, precision="fp32", fsdp=False)
     assert measured - fused["layers"] - fused["outside_layers"] > 4 * cfg.model.n_layers * 2 * seq * seq  # probs
     cfg = load_config(["--model.name", "tiny", "--train.precision", "fp32", "--train.seq_len", str(seq),
                        "--train.global_batch_size", "2"] + MODERN_TINY)
-    planned = memory(cfg, Layout(1, 1, 1))["activations"]  # the planner counts it for fp32 GQA (fused loss here)
-    assert planned == activation_bytes(cfg.model, 2 * seq, seq, 1, False, "fp32", False, "none", fused_loss=True,
-                                       math_attention=True)
+    planned = memory(plan_of(cfg, Layout(1, 1, 1)))["activations"]  # the planner counts it for fp32 GQA (fused loss here)
+    assert planned == planned_activations(cfg, 2, seq, precision="fp32", fsdp=False,
+                                          loss_chunk_tokens=cfg.train.loss_chunk_tokens, math_attention=True)
 
 
 def test_the_inter_node_fabric_is_an_input(capsys):
@@ -425,7 +434,7 @@ def test_accumulation_auto_and_mfu_by_hand():
     layout = Layout(1, 8, 1)
     for precision, per_param in (("bf16", 6), ("fp32", 8)):
         cfg = load_config([*base, "--train.precision", precision])
-        held, sharded = (memory(replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=v)), layout)
+        held, sharded = (memory(plan_of(replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=v)), layout))
                          ["total_bytes_per_gpu"] for v in (True, False))
         assert held - sharded == per_param * n, precision
         auto = replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded="auto"))
@@ -434,12 +443,13 @@ def test_accumulation_auto_and_mfu_by_hand():
         one = replace(auto, train=replace(auto.train, global_batch_size=16))  # 16 / (2 x 8): one microbatch
         assert choose_accumulation(one, layout, 10 ** 15) is False
     cfg = load_config([*base, "--train.precision", "bf16"])
-    plan = step_time(cfg, layout, GPUS["h100"], 8)
+    plan = step_time(plan_of(cfg, layout), GPUS["h100"], 8)
     assert GPUS["h100"].peak_tflops == 989.4
     assert plan["mfu"] == pytest.approx(plan["tokens_per_sec"] * 798_031_872 / (8 * 989.4e12), rel=1e-12)
     assert plan["tokens_per_sec"] == pytest.approx(64 * 1024 / plan["step_time_s"], rel=1e-12)
     # MFU on 16 GPUs as 2 replicas x 4 shards x tp 2: every GPU of the world counts, not the data-parallel ranks
-    wide = step_time(replace(cfg, train=replace(cfg.train, global_batch_size=128)), Layout(2, 4, 2), GPUS["h100"], 8)
+    wide = step_time(plan_of(replace(cfg, train=replace(cfg.train, global_batch_size=128)), Layout(2, 4, 2)),
+                     GPUS["h100"], 8)
     assert wide["mfu"] == pytest.approx(wide["tokens_per_sec"] * 798_031_872 / (16 * 989.4e12), rel=1e-12)
     assert wide["tokens_per_sec"] == pytest.approx(128 * 1024 / wide["step_time_s"], rel=1e-12)
 
@@ -457,12 +467,12 @@ def test_hsdp_replica_all_reduce_by_hand():
             "--train.precision", "bf16"]
     h100 = GPUS["h100"]
     assert (h100.internode_gbps, h100.nvlink_gbps) == (50.0, 450.0)
-    hsdp = step_time(load_config([*base, "--train.global_batch_size", "64"]), Layout(2, 8, 1), h100, 8)
-    alone = step_time(load_config([*base, "--train.global_batch_size", "32"]), Layout(1, 8, 1), h100, 8)
+    hsdp = step_time(plan_of(load_config([*base, "--train.global_batch_size", "64"]), Layout(2, 8, 1)), h100, 8)
+    alone = step_time(plan_of(load_config([*base, "--train.global_batch_size", "32"]), Layout(1, 8, 1)), h100, 8)
     shard_bytes = n / 8 * 4
     assert hsdp["fsdp_comm_s"] - alone["fsdp_comm_s"] == pytest.approx(shard_bytes / (50e9 * LINK_EFFICIENCY),
                                                                       rel=1e-9)
-    one_node = step_time(load_config([*base, "--train.global_batch_size", "64"]), Layout(2, 8, 1), h100, 16)
+    one_node = step_time(plan_of(load_config([*base, "--train.global_batch_size", "64"]), Layout(2, 8, 1)), h100, 16)
     assert one_node["fsdp_comm_s"] - alone["fsdp_comm_s"] == pytest.approx(shard_bytes / (450e9 * LINK_EFFICIENCY),
                                                                           rel=1e-9)
 
@@ -591,9 +601,10 @@ def test_the_ranked_layouts_are_an_enumeration_written_here_filtered_and_sorted(
                                                   fsdp_strategy=strategy, accumulate_unsharded=unsharded),
                             train=replace(cfg.train, micro_batch_size=micro, activation_checkpointing=ac, ac_every=1))
                 layout = Layout(rep, shard, tp)
-                total = memory(c, layout)["total_bytes_per_gpu"]
+                plan = plan_of(c, layout)
+                total = memory(plan)["total_bytes_per_gpu"]
                 if total <= h100.usable_bytes:
-                    est = step_time(c, layout, h100, per_node)
+                    est = step_time(plan, h100, per_node)
                     rows.append((-round(est["tokens_per_sec"], 6), -micro, total / GIB, rep, shard, tp, ac,
                                  str(strategy), unsharded))
     rows.sort(key=lambda r: r[:3])

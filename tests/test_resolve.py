@@ -12,7 +12,7 @@ import torch
 from hybridpar.config.cli import dump_yaml, load_config
 from hybridpar.errors import ConfigError, RunDirError
 from hybridpar.parallel.distributed import WorldInfo
-from hybridpar.planning.cost import GIB, GPUS, memory
+from hybridpar.planning.cost import GIB, GPUS, memory, plan_of
 from hybridpar.planning.layouts import refuse_if_too_big
 from hybridpar.resolve import resolve
 
@@ -83,7 +83,7 @@ def test_the_refusal_hint_is_a_command_that_fits():
     flags = re.search(r"fits: (--.*?) \(\d+\.\d GiB\)", str(e.value)).group(1).split()
     fixed = resolve(load_config([*argv, *flags]), world, torch.device("meta"), tokenizer=_Vocabulary(50304),
                     gpu=GPUS["h100"])
-    assert memory(fixed.cfg, fixed.layout)["total_bytes_per_gpu"] <= usable
+    assert memory(plan_of(fixed.cfg, fixed.layout))["total_bytes_per_gpu"] <= usable
     refuse_if_too_big(fixed.cfg, fixed.layout, usable, 8, GPUS["h100"], "a 15 GiB GPU")  # no error
 
 

@@ -16,8 +16,7 @@ from hybridpar.config import Config
 from hybridpar.errors import ConfigError
 from hybridpar.parallel import uses_fsdp
 from hybridpar.parallel.distributed import Layout
-from hybridpar.planning.cost import (GIB, GPU, GPUS, RESERVED_GIB, RUNTIME_RESERVE_GIB, accumulates_unsharded,
-                                     memory, microbatches, step_time)
+from hybridpar.planning.cost import GIB, GPU, GPUS, RESERVED_GIB, RUNTIME_RESERVE_GIB, memory, plan_of, step_time
 
 
 # -- search --------------------------------------------------------------------------------------------------------
@@ -91,16 +90,15 @@ def rank_layouts(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, top: int
     rows = []
     for c in candidate_layouts(cfg, world, gpus_per_node):
         layout = Layout(c.parallel.dp_replicate, c.parallel.dp_shard, c.parallel.tp)
-        mem = memory(c, layout)
+        plan = plan_of(c, layout)
+        mem = memory(plan)
         if mem["total_bytes_per_gpu"] > gpu.usable_bytes:
             continue
-        est = step_time(c, layout, gpu, gpus_per_node)
         rows.append({**asdict(layout), "micro_batch_size": c.train.micro_batch_size,
-                     "fsdp_strategy": c.parallel.fsdp_strategy if uses_fsdp(c, layout.dp) else "-",
-                     "accumulate_unsharded": accumulates_unsharded(c, layout),
-                     "microbatches": microbatches(c, layout),
+                     "fsdp_strategy": c.parallel.fsdp_strategy if plan.fsdp else "-",
+                     "accumulate_unsharded": plan.unsharded, "microbatches": plan.n_micro,
                      "activation_checkpointing": c.train.activation_checkpointing,
-                     "total_gib": mem["total_bytes_per_gpu"] / GIB, **est})
+                     "total_gib": mem["total_bytes_per_gpu"] / GIB, **step_time(plan, gpu, gpus_per_node)})
     # Equal estimates: the larger micro-batch first, then the smaller memory.
     rows.sort(key=lambda r: (-round(r["tokens_per_sec"], 6), -r["micro_batch_size"], r["total_gib"]))
     return rows[:top]
@@ -182,8 +180,8 @@ def choose_accumulation(cfg: Config, layout: Layout, usable_bytes: int) -> bool:
         return False
     if value != "auto":
         return bool(value)
-    held = replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=True))
-    return accumulates_unsharded(held, layout) and memory(held, layout)["total_bytes_per_gpu"] <= usable_bytes
+    held = plan_of(replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=True)), layout)
+    return held.unsharded and memory(held)["total_bytes_per_gpu"] <= usable_bytes
 
 
 def usable_bytes(device) -> int:
@@ -199,7 +197,7 @@ def refuse_if_too_big(cfg: Config, layout: Layout, usable: int, gpus_per_node: i
                       device_name: str = "this GPU") -> None:
     """Before anything is allocated: ConfigError (one line) when the planned per-GPU total exceeds `usable` bytes
     (usable_bytes of the device), naming the planned figure and the fastest layout of this world that fits."""
-    need = memory(cfg, layout)["total_bytes_per_gpu"]
+    need = memory(plan_of(cfg, layout))["total_bytes_per_gpu"]
     if need <= usable:
         return
     fitted = replace(gpu, memory_gib=usable / GIB + RESERVED_GIB)

@@ -116,6 +116,7 @@ class LocalSizes:
     tp_root: int  # embeddings, final norm, LM head
     tp_hidden: int  # the hidden matrices (the linears fp8 converts)
     tp_head: int  # the LM head's weight
+    block_matrices: int  # one block's 2-D weights, whole (what autocast caches in bf16)
 
 
 @functools.lru_cache(maxsize=256)  # (every plan of a layout search asks for the same few)
@@ -129,4 +130,5 @@ def local_sizes(m: ModelConfig, layout: Layout, rank: int = 0) -> LocalSizes:
                       local_param_count(m, tp_only, rank)[0], local_param_count(m, tp_only, rank, "block")[0],
                       local_param_count(m, tp_only, rank, "root")[0],
                       sum(numel(local_shape(s, tp_only, rank)) for s in hidden),
-                      sum(numel(local_shape(s, tp_only, rank)) for s in specs if s.name == "lm_head.weight"))
+                      sum(numel(local_shape(s, tp_only, rank)) for s in specs if s.name == "lm_head.weight"),
+                      sum(numel(s.shape) for s in specs if s.block == 0 and len(s.shape) == 2))
