@@ -34,17 +34,17 @@ from hybridpar.checkpoint.layout import latest_checkpoint, resolve_load_path
 from hybridpar.checkpoint.resume_checks import read_checkpoint_config, read_run_state
 from hybridpar.checkpoint.run_dir import RunDirLock
 from hybridpar.config import Config
-from hybridpar.data.dataset import load_data_tokenizer, train_batches
-from hybridpar.data.stages import StagePlan, stage_micro_batch
+from hybridpar.data.dataset import check_eval_size, check_sample_count, load_data_tokenizer
+from hybridpar.data.stages import StagePlan, stage_micro_batch, stage_plan
 from hybridpar.data.tokenizer import Tokenizer
-from hybridpar.errors import ConfigError, DataError, RunDirError
+from hybridpar.errors import ConfigError, RunDirError
 from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
 from hybridpar.parallel.fp8 import check_fp8
 from hybridpar.parallel.distributed import (Layout, WorldInfo, gpus_per_node, pick_device, resolve_degrees,
                                             start_process_group, world_from_env)
-from hybridpar.planning.layouts import (check_auto, choose_accumulation, choose_layout, describe_choice, gpu_by_name,
-                                        refuse_if_too_big, usable_bytes)
+from hybridpar.planning.layouts import (check_auto, choose_layout, describe_choice, gpu_by_name, settle_memory,
+                                        usable_bytes)
 from hybridpar.planning.cost import GPU, GPUS
 
 
@@ -170,71 +170,6 @@ def micro_batch_size_for(cfg: Config, dp: int) -> int:
     return micro
 
 
-# megatron-core builds each split's sample index in memory (about 12 bytes a sample: the sample and shuffle
-# indexes) before the first step; past this a run is refused at once instead of allocating for minutes or looping
-# in megatron-core's epoch count (train.steps 1e8 x batch 32 wanted 6.8 GiB and then raised MemoryError).
-SAMPLE_INDEX_BYTES, SAMPLE_INDEX_LIMIT = 12, 8 * 2**30
-
-
-def check_sample_count(cfg: Config) -> None:
-    """The train split's sample count (train.steps and the batches rewinds may skip, times the global batch) against
-    what its index may take; the refusal names the setting that made it large."""
-    t, s = cfg.train, cfg.spike
-    batches = train_batches(cfg)
-    samples = batches * t.global_batch_size
-    if samples * SAMPLE_INDEX_BYTES <= SAMPLE_INDEX_LIMIT:
-        return
-    most = SAMPLE_INDEX_LIMIT // SAMPLE_INDEX_BYTES // t.global_batch_size
-    reserve = batches - t.steps
-    what = (f"train.steps={t.steps} + spike.max_rewinds={s.max_rewinds} x spike.skip={s.skip} (the batches rewinds "
-            f"may skip)" if reserve else f"train.steps={t.steps}")
-    if reserve > t.steps and most > t.steps:  # the rewinds' reserve made it large
-        fix = f"lower spike.max_rewinds x spike.skip to {most - t.steps} or less"
-    elif most > reserve:
-        fix = f"use --train.steps {most - reserve} or fewer"
-    else:
-        fix = "lower spike.max_rewinds x spike.skip and train.steps"
-    raise ConfigError(f"{what} = {batches:,} batches x train.global_batch_size={t.global_batch_size} = {samples:,} "
-                      f"samples, whose index would take {samples * SAMPLE_INDEX_BYTES / 2**30:,.1f} GiB of every "
-                      f"rank's memory (at most {SAMPLE_INDEX_LIMIT / 2**30:.0f} GiB); {fix}")
-
-
-# Validation is a fixed set read into memory at start (hybridpar.data.dataset.validation_batches): its inputs and
-# targets, int64, at every evaluation. Past this it is minutes of silent reading before step 1.
-EVAL_SET_LIMIT = 2 * 2**30
-
-
-def check_eval_size(cfg: Config) -> None:
-    t = cfg.train
-    if not t.eval_interval:
-        return
-    per_batch = t.global_batch_size * t.seq_len * 2 * 8  # (spread over the data-parallel ranks; bounded as a whole)
-    if t.eval_batches * per_batch > EVAL_SET_LIMIT:
-        raise ConfigError(f"train.eval_batches={t.eval_batches:,} x train.global_batch_size={t.global_batch_size} x "
-                          f"train.seq_len={t.seq_len} is a validation set of {t.eval_batches * per_batch / 2**30:,.1f} "
-                          f"GiB held in memory and read at every evaluation; use --train.eval_batches "
-                          f"{EVAL_SET_LIMIT // per_batch} or fewer")
-
-
-def _stage_plan(cfg: Config, tp: int) -> StagePlan | None:
-    """data.stages parsed (their syntax, order and ramps checked) for the global batch size, each stage's sequence
-    length checked against the model and sequence parallelism; None without stages."""
-    if not cfg.data.stages:
-        return None
-    try:
-        plan = StagePlan.parse(cfg.data.stages, cfg.train.global_batch_size, cfg.train.seq_len)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    for length in plan.seq_lens:
-        if length > cfg.model.max_seq_len:
-            raise ConfigError(f"data.stages: seq {length} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower "
-                              f"it or raise model.max_seq_len")
-        if tp > 1 and cfg.parallel.sequence_parallel and length % tp:
-            raise ConfigError(f"data.stages: seq {length} is not divisible by parallel.tp={tp} (sequence parallel "
-                              f"shards the sequence); use a multiple of {tp}")
-    return plan
-
-
 def longest_stage(cfg: Config, stages: StagePlan | None, dp: int) -> Config:
     """The config of the run's most memory-hungry batches, for the memory check and the planner: with data.stages,
     the longest stage's sequence length and micro-batch size (hybridpar.data.stages.stage_micro_batch)."""
@@ -273,20 +208,19 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     _same_config_on_every_rank(cfg)  # 0
     run_dir = Path(cfg.run.dir) if cfg.run.dir else Path("runs") / (cfg.run.name or cfg.model.name)  # 1
     cfg = replace(cfg, run=replace(cfg.run, name=cfg.run.name or cfg.model.name, dir=str(run_dir)))
-    node = world.local_world_size if gpu is not None else gpus_per_node(device, world)
     auto = cfg.parallel.layout == "auto"
     if auto:  # chosen at 6; until then a placeholder of the same world
         check_auto(cfg)
-        dp_replicate, dp_shard, tp = 1, world.world_size, 1
-    else:
-        dp_replicate, dp_shard, tp = resolve_degrees(cfg.parallel, world.world_size, world.local_world_size)  # 2
-    layout = Layout(dp_replicate, dp_shard, tp)
+    node = world.local_world_size if gpu is not None else gpus_per_node(device, world)
+    dp_replicate, dp_shard, tp = ((1, world.world_size, 1) if auto else
+                                  resolve_degrees(cfg.parallel, world.world_size, world.local_world_size))  # 2
     check_sample_count(cfg)
     check_eval_size(cfg)
-    stages = _stage_plan(cfg, tp)
+    stages = stage_plan(cfg, tp)
+    check_fp8(cfg, device, gpu)  # 3
+    layout = Layout(dp_replicate, dp_shard, tp)
     parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
-    train = replace(cfg.train, precision=precision_for(cfg, device), eval_tasks=eval_tasks_for(cfg))  # 3
-    check_fp8(cfg, device, gpu)
+    train = replace(cfg.train, precision=precision_for(cfg, device), eval_tasks=eval_tasks_for(cfg))
     lock = _lock(run_dir, world.rank) if own_run_dir else None  # 4
     try:
         load_from = _checkpoint_to_load(cfg, run_dir) if own_run_dir else None
@@ -312,15 +246,14 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
             train = replace(train, micro_batch_size=cfg.train.micro_batch_size,  # (cfg: the longest stage's)
                             activation_checkpointing=cfg.train.activation_checkpointing, ac_every=1)
             cfg = replace(cfg, parallel=parallel, train=train)
-            stages = _stage_plan(cfg, tp)
+            stages = stage_plan(cfg, tp)
         check_layout(cfg, (dp_replicate, dp_shard, tp), node)
         cfg = replace(cfg, train=replace(train, micro_batch_size=micro_batch_size_for(cfg, layout.dp)))
-        accumulate = choose_accumulation(longest_stage(cfg, stages, layout.dp), layout, usable)  # 7
         check_exact(cfg)
+        refuse = gpu is None and device.type == "cuda" and cfg.train.memory_check  # refuse what cannot fit, now
+        accumulate = settle_memory(longest_stage(cfg, stages, layout.dp), layout, usable, node,
+                                   torch.cuda.get_device_name(device) if refuse else None)  # 7
         cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=accumulate))
-        if gpu is None and device.type == "cuda" and cfg.train.memory_check:  # refuse what cannot fit, now
-            name = torch.cuda.get_device_name(device)
-            refuse_if_too_big(longest_stage(cfg, stages, layout.dp), layout, usable, node, gpu_by_name(name), name)
     except BaseException:
         if lock is not None:
             lock.release()

@@ -122,6 +122,52 @@ def train_batches(cfg) -> int:
     return t.steps + (s.max_rewinds * s.skip if t.spike == "rewind" else 0)
 
 
+# megatron-core builds each split's sample index in memory (about 12 bytes a sample: the sample and shuffle
+# indexes) before the first step; past this a run is refused at once instead of allocating for minutes or looping
+# in megatron-core's epoch count (train.steps 1e8 x batch 32 wanted 6.8 GiB and then raised MemoryError).
+SAMPLE_INDEX_BYTES, SAMPLE_INDEX_LIMIT = 12, 8 * 2**30
+
+
+def check_sample_count(cfg) -> None:
+    """The train split's sample count (train.steps and the batches rewinds may skip, times the global batch) against
+    what its index may take; the refusal names the setting that made it large."""
+    t, s = cfg.train, cfg.spike
+    batches = train_batches(cfg)
+    samples = batches * t.global_batch_size
+    if samples * SAMPLE_INDEX_BYTES <= SAMPLE_INDEX_LIMIT:
+        return
+    most = SAMPLE_INDEX_LIMIT // SAMPLE_INDEX_BYTES // t.global_batch_size
+    reserve = batches - t.steps
+    what = (f"train.steps={t.steps} + spike.max_rewinds={s.max_rewinds} x spike.skip={s.skip} (the batches rewinds "
+            f"may skip)" if reserve else f"train.steps={t.steps}")
+    if reserve > t.steps and most > t.steps:  # the rewinds' reserve made it large
+        fix = f"lower spike.max_rewinds x spike.skip to {most - t.steps} or less"
+    elif most > reserve:
+        fix = f"use --train.steps {most - reserve} or fewer"
+    else:
+        fix = "lower spike.max_rewinds x spike.skip and train.steps"
+    raise ConfigError(f"{what} = {batches:,} batches x train.global_batch_size={t.global_batch_size} = {samples:,} "
+                      f"samples, whose index would take {samples * SAMPLE_INDEX_BYTES / 2**30:,.1f} GiB of every "
+                      f"rank's memory (at most {SAMPLE_INDEX_LIMIT / 2**30:.0f} GiB); {fix}")
+
+
+# Validation is a fixed set read into memory at start (validation_batches): its inputs and
+# targets, int64, at every evaluation. Past this it is minutes of silent reading before step 1.
+EVAL_SET_LIMIT = 2 * 2**30
+
+
+def check_eval_size(cfg) -> None:
+    t = cfg.train
+    if not t.eval_interval:
+        return
+    per_batch = t.global_batch_size * t.seq_len * 2 * 8  # (spread over the data-parallel ranks; bounded as a whole)
+    if t.eval_batches * per_batch > EVAL_SET_LIMIT:
+        raise ConfigError(f"train.eval_batches={t.eval_batches:,} x train.global_batch_size={t.global_batch_size} x "
+                          f"train.seq_len={t.seq_len} is a validation set of {t.eval_batches * per_batch / 2**30:,.1f} "
+                          f"GiB held in memory and read at every evaluation; use --train.eval_batches "
+                          f"{EVAL_SET_LIMIT // per_batch} or fewer")
+
+
 def build_training_data(cfg, tokenizer, stages, dp_rank: int, dp_size: int, pin: bool = False) -> TrainingData:
     """The data of a resolved config (its tokenizer, and its StagePlan or None: hybridpar.resolve.Run's), in one
     straight flow: the indexed files (the built-in corpus built into the cache first), each opened and checked once

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridpar.data.indexed import DataError
+from hybridpar.errors import ConfigError
 
 GOLDEN = 0x9E3779B97F4A7C15
 PASS_SEED_STRIDE = 7919  # pass e of a source is megatron-core's epoch order for seed + 7919 e
@@ -361,3 +362,22 @@ class StagedDataset:
         return {"stage": plan.stage_at(last), "seq_len": plan.seq_len_at(last),
                 "consumed_tokens": int(sum(k * length for (_, length), k in zip(plan.streams, c.tolist()))),
                 **{f"samples/{n}": k for n, k in zip(self.names, per_source.values())}}
+
+
+def stage_plan(cfg, tp: int) -> StagePlan | None:
+    """data.stages parsed (their syntax, order and ramps checked) for the global batch size, each stage's sequence
+    length checked against the model and sequence parallelism; None without stages."""
+    if not cfg.data.stages:
+        return None
+    try:
+        plan = StagePlan.parse(cfg.data.stages, cfg.train.global_batch_size, cfg.train.seq_len)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    for length in plan.seq_lens:
+        if length > cfg.model.max_seq_len:
+            raise ConfigError(f"data.stages: seq {length} exceeds model.max_seq_len={cfg.model.max_seq_len}; lower "
+                              f"it or raise model.max_seq_len")
+        if tp > 1 and cfg.parallel.sequence_parallel and length % tp:
+            raise ConfigError(f"data.stages: seq {length} is not divisible by parallel.tp={tp} (sequence parallel "
+                              f"shards the sequence); use a multiple of {tp}")
+    return plan

@@ -209,3 +209,13 @@ def refuse_if_too_big(cfg: Config, layout: Layout, usable: int, gpus_per_node: i
         hint = f"no layout of {layout.world} GPU(s) fits this model and batch: add GPUs or shrink the model"
     raise ConfigError(f"the plan needs {need / GIB:.1f} GiB per GPU but {device_name} has {usable / GIB:.1f} GiB "
                       f"usable; {hint}; --train.memory_check false starts anyway")
+
+
+def settle_memory(cfg: Config, layout: Layout, usable: int, gpus_per_node: int, device_name: str | None) -> bool:
+    """parallel.accumulate_unsharded for this run (choose_accumulation); with a device_name (a GPU run with
+    train.memory_check), refuse_if_too_big on the config with it."""
+    accumulate = choose_accumulation(cfg, layout, usable)
+    if device_name is not None:
+        held = replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=accumulate))
+        refuse_if_too_big(held, layout, usable, gpus_per_node, gpu_by_name(device_name), device_name)
+    return accumulate
