@@ -164,25 +164,36 @@ def compile_summary() -> str:
 
 class StepProfiler:
     """torch.profiler over a range of steps (profile.steps), and with profile.memory_snapshot on CUDA the memory
-    history of those steps: a Chrome trace per rank (Perfetto, chrome://tracing, TensorBoard) under `out`."""
+    history of those steps: a Chrome trace per rank (Perfetto, chrome://tracing, TensorBoard) under `out`. The loop
+    calls before() and after() around every step; only the range's steps are profiled."""
 
     def __init__(self, cfg: ProfileConfig, device, out: Path, rank: int):
+        self.range, self.cuda, self.out, self.rank = cfg.range, device.type == "cuda", out, rank
+        self.memory = cfg.memory_snapshot and self.cuda
+        self.profiler = None
+
+    def before(self, step: int) -> None:
+        """Step `step` (1-based) is about to run: the profile starts before the range's first."""
+        if not self.range or step != self.range[0]:
+            return
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        self.memory = cfg.memory_snapshot and device.type == "cuda"
-        self.out, self.rank = out, rank
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
         self.profiler = profile(activities=activities, record_shapes=True)
         self.profiler.__enter__()
         if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=200_000)
 
-    def stop(self, steps: tuple[int, int]) -> str:
-        """Write the trace (and snapshot); returns the console line saying where."""
+    def after(self, step: int) -> str | None:
+        """Step `step` ran: after the range's last, the trace (and snapshot) written and the console line saying
+        where; None otherwise."""
+        if self.profiler is None or step != self.range[1]:
+            return None
         import torch
 
         self.profiler.__exit__(None, None, None)
+        self.profiler, steps = None, self.range
         self.out.mkdir(parents=True, exist_ok=True)
         name = f"rank{self.rank}.steps{steps[0]}-{steps[1]}"
         self.profiler.export_chrome_trace(str(self.out / f"{name}.pt.trace.json"))

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridpar.checkpoint.layout import checkpoint_dir, is_complete, list_checkpoints, step_of
+from hybridpar.checkpoint.layout import list_checkpoints, step_of
 from hybridpar.checkpoint.recovery import Recovery, resumed_state
 from hybridpar.data.dataset import build_training_data
 from hybridpar.data.record import segment
@@ -28,14 +29,14 @@ from hybridpar.inference.in_training import Evaluator
 from hybridpar.inference.tasks import load_tasks
 from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary, start_lines
 from hybridpar.parallel import start_notes
-from hybridpar.parallel.distributed import dp_rank_size, local_tensor, set_numerics
+from hybridpar.parallel.distributed import dp_rank_size, set_numerics
 from hybridpar.parallel.startup import build_parallel_model
 from hybridpar.planning.flops import Throughput
 from hybridpar.resolve import Run
 from hybridpar.training.goodput import Clock, Goodput
 from hybridpar.training.lr_schedule import lr_at
-from hybridpar.training.microbatch import StepNumerics, count_target_tokens, forward_backward_no_pipelining
-from hybridpar.training.optim import build_optimizer, clip_grad_norm, peak_lr_ratio
+from hybridpar.training.microbatch import StepNumerics, step_gradients
+from hybridpar.training.optim import build_optimizer, clip_grad_norm, optimizer_step, peak_lr_ratio
 from hybridpar.training.reduction import build_reduction
 from hybridpar.training.spikes import refuse_skips
 from hybridpar.training.state import Stop, TrainResult, TrainState
@@ -69,21 +70,20 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
         self.numerics = StepNumerics.of(cfg, self.model, mesh["tp"].size(), device)
         self.reduction = build_reduction(cfg, self.model, mesh, dp_size)
+        self.stop, self.clock = Stop(), Clock()
         self.evaluator = Evaluator(cfg, self.model, mesh, device, run.tokenizer, self.numerics, self.data, tasks,
-                                   self._dp_sum, self._poll_stop)
+                                   self._dp_sum, lambda: self.stop.poll(device))
         self.checkpointer = checkpointer
-        self.recovery = Recovery(cfg, run.run_dir, checkpointer, keep_in_memory,
-                                 dp_rank, dp_size, device.type == "cpu" or cfg.train.deterministic, self.say,
-                                 self._log)
+        self.recovery = Recovery(cfg, run.run_dir, checkpointer, keep_in_memory, dp_rank, dp_size,
+                                 device.type == "cpu" or cfg.train.deterministic, self.say, self._log)
         self._last_saved = -1  # the step of the newest checkpoint this process saved
         # what this start reads (hybridpar.data.record), the first segment of its record
         self.state = TrainState(skip_windows=list(cfg.data.skip_windows),
                                 data_segments=[segment(cfg, 0, self.data.prefixes)])
         self.status = StatusQueue()
         refuse_skips(cfg, 0, [], self.state.skip_windows, self.data.train.n_batches)
-        self.stop, self.clock = Stop(), Clock()
         self.goodput: Goodput | None = None  # fit()'s time accounting (hybridpar.training.goodput)
-        self.batch_crc32: int | None = None  # CRC-32 of this rank's batch at the last step (metrics: batch_crc32)
+        self.profiler = StepProfiler(cfg.profile, device, run.run_dir / "profile", self.rank)
         self.rates = Throughput(cfg, device)
 
     # what the run fixes, read from it
@@ -99,11 +99,6 @@ class Trainer:
     def request_stop(self, signum: int) -> None:
         """Stop at the end of this step, or after this microbatch when nothing would be saved (a signal handler)."""
         self.stop.requested, self.stop.signum = True, signum
-
-    def take_data_wait(self) -> float:
-        """The seconds train steps waited on data since the last call (or log row); counting starts again."""
-        seconds, self.clock.data_wait = self.clock.data_wait, 0.0
-        return seconds
 
     # -- the loop's position: what a checkpoint keeps, what a resume and a rewind replace ------------------------
     def position(self, state: TrainState | None = None) -> dict:
@@ -137,27 +132,11 @@ class Trainer:
         if self.log is not None:
             self.log.log(row)
 
-    def _stop_mid_step(self) -> bool:
-        """Without checkpointing nothing is saved at the step's end: a stop need not wait for it (minutes on CPU)."""
-        return self.stop.requested and self.cfg.checkpoint.interval == 0
-
-    # -- collectives over the data-parallel axes -------------------------------------------------------------
     def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed in place over the data-parallel axes."""
         for group in self.dp_groups:
             dist.all_reduce(t, group=group)
         return t
-
-    def _stop_vote(self) -> torch.Tensor:
-        """1.0 on every rank when any rank was asked to stop, on the device (a fill kernel, not a host copy)."""
-        flag = torch.full((), float(self.stop.requested), device=self.device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag
-
-    def _poll_stop(self) -> bool:
-        """Whether any rank asked to stop, read now (between two evaluation batches or tasks)."""
-        self.stop.voted = self.stop.voted or bool(self._stop_vote())
-        return self.stop.voted
 
     # -- one optimizer step -----------------------------------------------------------------------------------
     def train_step(self, step: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -183,39 +162,19 @@ class Trainer:
         host = loader.load(batch, rank_shift=1) if rotate else loader.microbatches(step, self.state.batch_for)
         microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                         for x, y in host]
-        self.clock.data_wait += time.perf_counter() - t0
-        self.clock.data_wait_total += time.perf_counter() - t0
-        self.batch_crc32 = loader.crc32.pop(batch, None)
-        # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
-        n_tokens = self._dp_sum(count_target_tokens(microbatches).float())
-        while True:
-            red.begin(self.state.exact_bounds)
-            loss = forward_backward_no_pipelining(self.model, microbatches, n_tokens, self.device,
-                                                  forward_loss=n.forward_loss, autocast=n.autocast,
-                                                  loss_context=n.loss_context, stop_now=self._stop_mid_step,
-                                                  reduction=red)
-            done, self.state.exact_bounds = red.finish()
-            if done:
-                break
-            torch.manual_seed(seed)  # a step the reduction could not take on its grids, replayed (exact_reduction)
-        local = None
-        if cfg.spike.rerun != "off":  # this rank's own numbers, for a rerun to compare with
-            shard_sq = sum((local_tensor(p.grad).float() ** 2).sum() for p in self.model.parameters()
-                           if p.grad is not None)
-            local = torch.stack([loss.detach().float().reshape(()), shard_sq])
+        self.clock.waited(time.perf_counter() - t0)
+        # without checkpointing nothing is saved at the step's end: a stop need not wait for it (minutes on CPU)
+        loss, self.state.exact_bounds = step_gradients(
+            self.model, microbatches, n, red, self.state.exact_bounds, seed, self._dp_sum, self.device,
+            lambda: self.stop.requested and cfg.checkpoint.interval == 0)
+        local = self.recovery.local_numbers(loss, self.model)
         grad_norm = clip_grad_norm(self.model, cfg.train.grad_clip, red.grad_norm).reshape(()).float()
         # (norm, stop vote, global loss when spikes are tested): read by read_status(), now or one step late
-        parts = [grad_norm, self._stop_vote()]
+        parts = [grad_norm, self.stop.vote(self.device)]
         if cfg.train.spike != "off":
             parts.append(self._dp_sum(loss.detach().clone().reshape(())).float())  # (exact mode: summed in float64)
         self.status.push(step + 1, torch.stack(parts), local)
-        if all(g.get("fused") for g in self.optimizer.param_groups if not g.get("muon")):
-            # the fused kernel skips the whole update when found_inf is nonzero: no host read
-            self.optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
-            self.optimizer.step()
-        elif self.read_status():  # the unfused optimizer can only be skipped from the host: read the status now
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_step(self.optimizer, grad_norm, self.read_status)  # (unfused: the status read now)
         return loss, grad_norm, lr
 
     def advance(self, step: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -297,9 +256,9 @@ class Trainer:
         return state is not None
 
     # -- the loop ---------------------------------------------------------------------------------------------
-    def fit(self, started: float | None = None) -> TrainResult:
+    def fit(self, started: float | None = None, on_step: Callable[[int], None] | None = None) -> TrainResult:
         """Train to train.steps (or a stop). started: when the launch began (time.time()), for the goodput record's
-        startup (default: now)."""
+        startup (default: now). on_step(steps done): called before each step and after the last (benchmarks)."""
         t = self.cfg.train
         if self.log is None:
             self.open_log(enabled=self.rank == 0)
@@ -317,13 +276,16 @@ class Trainer:
                 if self.evaluator.tasks:
                     self.evaluator.tasks_at(self.state.step, self._log, self.say)
         self.clock.mark(self.state.step)
-        first, profiler = self.state.step + 1, None
+        first = self.state.step + 1
         while self.state.step < t.steps and not self.stop.voted:  # (a stop during the first validation: no step)
-            stop, profiler = self._step(result, first, profiler)
-            if stop:
+            if on_step is not None:
+                on_step(self.state.step)
+            if self._step(result, first):
                 result.preempted = True
                 self.say(f"stop requested: leaving after step {self.state.step}")
                 break
+        if on_step is not None:
+            on_step(self.state.step)
         self.read_status()
         result.preempted |= self.state.step < t.steps  # (stopped during the first validation: no break above)
         result.wall_time = time.perf_counter() - start
@@ -332,18 +294,16 @@ class Trainer:
                 result.sample = self.evaluator.sample(t.sample_prompt, t.sample_tokens, t.sample_temperature)
                 self.say(f"sample (temperature {t.sample_temperature}):\n{result.sample}")
         with g.timed("checkpoint_stall"):
-            self._checkpoint_at_end()
+            self._checkpoint(end=True)
         self._save_goodput()
         self.say(f"done: {self.state.step} steps in {result.wall_time:.1f}s")
         self.close()
         return result
 
-    def _step(self, result: TrainResult, first: int, profiler):
-        """One step of fit(), with its log row, evaluations, checkpoint and rewind: (whether the loop stops after it,
-        the profiler still running)."""
+    def _step(self, result: TrainResult, first: int) -> bool:
+        """One step of fit(), with its log row, evaluations, checkpoint and rewind: whether the loop stops after it."""
         cfg, t, g, clock = self.cfg, self.cfg.train, self.goodput, self.clock
-        if cfg.profile.range and self.state.step + 1 == cfg.profile.range[0]:
-            profiler = StepProfiler(cfg.profile, self.device, self.run_dir / "profile", self.rank)
+        self.profiler.before(self.state.step + 1)
         began, waited = time.perf_counter(), clock.data_wait_total
         loss, grad_norm, lr = self.advance(self.state.step)
         step = self.state.step
@@ -356,9 +316,9 @@ class Trainer:
                      f"{float(self._dp_sum(loss.clone())):.4f}); next lines every {cfg.logging.interval} steps")
         if step == first and t.compile:
             self.say(compile_summary())
-        if profiler is not None and step == cfg.profile.range[1]:
-            self.say(profiler.stop(cfg.profile.range))
-            profiler = None
+        written = self.profiler.after(step)
+        if written:
+            self.say(written)
         waited = clock.data_wait_total - waited
         if log_now or stop:
             loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
@@ -378,7 +338,7 @@ class Trainer:
         if self.evaluator.tasks and (done or every and step % every == 0) and not self.stop.voted:
             stop = self._evaluation(self.evaluator.tasks_at, done) or stop
         with g.timed("checkpoint_stall"):
-            self._checkpoint_after_step()
+            self._checkpoint()
         if self._last_saved == step:
             self._save_goodput()
         if self.recovery.spike is not None:
@@ -386,8 +346,8 @@ class Trainer:
             if self._rewind():  # back to a checkpoint (or on from a rerun), the spike's batches skipped
                 g.rewound(self.state.step, clock.mark(self.state.step) - began)
                 self._save_goodput()
-                return False, profiler
-        return stop, profiler
+                return False
+        return stop
 
     def _evaluation(self, evaluate, done: bool) -> bool:
         """An evaluation inside the loop, timed apart from training; whether a signal during it stops the loop."""
@@ -404,27 +364,20 @@ class Trainer:
                                                             self.state.skip_windows)
             seq_len = staged["seq_len"]
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                **self.rates.row(step, elapsed, steps, seq_len, self.take_data_wait()),
-                "skipped_steps": self.state.skipped, "batch_crc32": self.batch_crc32, **staged,
+                **self.rates.row(step, elapsed, steps, seq_len, self.clock.take_data_wait()),
+                "skipped_steps": self.state.skipped, "batch_crc32": self.data.train.crc32.get(self.state.batch_for(step - 1)),
+                **staged,
                 **self.reduction.row()}
 
-    def _checkpoint_after_step(self) -> None:
+    def _checkpoint(self, end: bool = False) -> None:
+        """The checkpoint due after a step or at the end (the checkpointer decides), saved; at the end, waited for."""
         if self.checkpointer is None:
             return
         self.checkpointer.poll()
-        interval = self.cfg.checkpoint.interval
-        if interval and self.state.step % interval == 0:
+        if self.checkpointer.due(self.state.step, self._last_saved, end):
             self.save(self.state.step)
-
-    def _checkpoint_at_end(self) -> None:
-        if self.checkpointer is None:
-            return
-        # (A finished run started again resumes at its last step: its final checkpoint exists already.)
-        step = self.state.step
-        if (self.cfg.checkpoint.interval and self._last_saved != step
-                and not is_complete(checkpoint_dir(self.run_dir, step))):
-            self.save(step)
-        self.checkpointer.wait()
+        if end:
+            self.checkpointer.wait()
 
     @property
     def _keeps_goodput(self) -> bool:

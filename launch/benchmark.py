@@ -58,10 +58,12 @@ class _Marks:
 
 
 def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, Config]:
-    """The measurement, the device and the resolved config it ran."""
+    """The measurement, the device and the resolved config it ran: the trainer's own loop (fit) for warmup + steps
+    steps, without evaluations, sample or checkpoints, its log rows at the end only."""
     tmp = Path(tempfile.mkdtemp(prefix="hybridpar-bench-"))
-    cfg = replace(cfg, train=replace(cfg.train, steps=max(cfg.train.steps, warmup + steps)),
-                  run=replace(cfg.run, dir=str(tmp)))
+    cfg = replace(cfg, train=replace(cfg.train, steps=warmup + steps, eval_interval=0, eval_tasks=[], sample_tokens=0),
+                  checkpoint=replace(cfg.checkpoint, interval=0), run=replace(cfg.run, dir=str(tmp)),
+                  logging=replace(cfg.logging, interval=warmup + steps))
     trainer = start_trainer(cfg)  # the trainer's own start-up path, on a run dir nothing is written into
     cfg, device = trainer.cfg, trainer.device
     trainer.open_log(enabled=False)
@@ -69,20 +71,21 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, C
     opt_marks: list = []  # (pre, post) per optimizer step
     trainer.optimizer.register_step_pre_hook(lambda *_: opt_marks.append([marks.mark()]))
     trainer.optimizer.register_step_post_hook(lambda *_: opt_marks[-1].append(marks.mark()))
-    step_marks = []
-    for s in range(warmup + steps):
-        if s == warmup:
+    step_marks, waited = [], []  # at each step's start and after the last; the data waits from the first timed
+
+    def on_step(done: int) -> None:
+        if done == warmup:
             opt_marks.clear()
-            trainer.take_data_wait()  # (the warm-up's)
+            waited.append(trainer.clock.data_wait_total)
             if device.type == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats(device)
-        start = marks.mark()
-        trainer.train_step(s)
-        trainer.read_status(keep_last=True)  # as the trainer's loop does: the previous step's status, read late
-        step_marks.append((start, marks.mark()))
-    timed = [marks.seconds(a, b) for a, b in step_marks[warmup:]]
-    data_s, optimizer_s = trainer.take_data_wait(), sum(marks.seconds(a, b) for a, b in opt_marks)
+        step_marks.append(marks.mark())
+
+    trainer.fit(on_step=on_step)
+    timed = [marks.seconds(a, b) for a, b in zip(step_marks[warmup:], step_marks[warmup + 1:])]
+    data_s = trainer.clock.data_wait_total - waited[0]
+    optimizer_s = sum(marks.seconds(a, b) for a, b in opt_marks)
     step_time = statistics.median(timed)
     t = cfg.train
     tps = t.global_batch_size * t.seq_len / step_time
@@ -104,7 +107,6 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, C
                   "forward_backward_s": (total - data_s - optimizer_s) / steps},
         "world_size": n, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
-    trainer.data.close()
     shutil.rmtree(tmp, ignore_errors=True)  # the run dir the trainer was given (nothing is written into it)
     return result, device, cfg
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 import pretrain_gpt  # noqa: E402
 
 import hybridpar.trainer  # noqa: E402
+import hybridpar.training.microbatch  # noqa: E402
 from hybridpar.parallel.distributed import local_tensor  # noqa: E402
 
 
@@ -27,7 +28,7 @@ def inject(rank: int, step: int, factor: float, weights: bool = False, more: dic
     """One fault (rank, step, factor), and `more` ({step: factor}) on the same rank, each once per process."""
     lr_at, seen = hybridpar.trainer.lr_at, {"step": 0, "fired": set()}
     faults = {step: factor, **(more or {})}
-    forward_backward = hybridpar.trainer.forward_backward_no_pipelining
+    forward_backward = hybridpar.training.microbatch.forward_backward_no_pipelining
 
     def lr_of_step(s, *args):
         seen["step"] = s + 1  # (0-based step s trains step s + 1)
@@ -48,7 +49,7 @@ def inject(rank: int, step: int, factor: float, weights: bool = False, more: dic
                   f"backward", flush=True)
         return loss
 
-    hybridpar.trainer.lr_at, hybridpar.trainer.forward_backward_no_pipelining = lr_of_step, faulty_step
+    hybridpar.trainer.lr_at, hybridpar.training.microbatch.forward_backward_no_pipelining = lr_of_step, faulty_step
 
 
 if __name__ == "__main__":

@@ -195,11 +195,11 @@ def test_throughput_is_measured_against_the_clock(tmp_path, cache_dir, capsys, m
     these."""
     import time
 
-    import hybridpar.trainer
+    import hybridpar.training.microbatch
     from conftest import launcher
 
-    step = hybridpar.trainer.forward_backward_no_pipelining
-    monkeypatch.setattr(hybridpar.trainer, "forward_backward_no_pipelining",
+    step = hybridpar.training.microbatch.forward_backward_no_pipelining
+    monkeypatch.setattr(hybridpar.training.microbatch, "forward_backward_no_pipelining",
                         lambda *a, **k: (step(*a, **k), time.sleep(0.25))[0])
     run_dir = tmp_path / "run"
     argv = ["--train.steps", "12", "--train.global_batch_size", "8", "--train.seq_len", "64", "--logging.interval",

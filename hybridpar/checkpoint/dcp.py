@@ -107,6 +107,15 @@ class Checkpointer:
         if self.async_save:
             self._group, self._poll_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
 
+    def due(self, step: int, last_saved: int, end: bool = False) -> bool:
+        """Whether step `step` is saved (`last_saved`: the newest this process saved): every checkpoint.interval
+        steps, and at the end of a run unless it is saved already (a finished run started again resumes at its last
+        step, whose checkpoint exists)."""
+        interval = self.cfg.checkpoint.interval
+        if not interval or not end:
+            return bool(interval) and step % interval == 0
+        return last_saved != step and not is_complete(checkpoint_dir(self.run_dir, step))
+
     def save(self, step: int, model: nn.Module, optimizer, position: dict, wandb_id: str | None = None) -> Path:
         """Checkpoint `step`: the model's and optimizer's shards and the loop's `position`; wandb_id is the run's
         W&B id (a resume logs into the same W&B run)."""

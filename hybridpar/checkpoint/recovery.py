@@ -198,6 +198,14 @@ class Recovery:
         self.replaying = False  # steps are being replayed (nothing tested then)
         self.rank = dist.get_rank()
 
+    def local_numbers(self, loss: torch.Tensor, model) -> torch.Tensor | None:
+        """With spike.rerun, this rank's own (loss share, squared norm of its gradient shards) of the step just
+        computed, on the device (note_local keeps them once its status is read), for a rerun to compare with."""
+        if self.cfg.spike.rerun == "off":
+            return None
+        shard_sq = sum((local_tensor(p.grad).float() ** 2).sum() for p in model.parameters() if p.grad is not None)
+        return torch.stack([loss.detach().float().reshape(()), shard_sq])
+
     def note_local(self, step: int, local) -> None:
         if local is not None:
             self.local_stats[step] = local

@@ -175,6 +175,16 @@ class Clock:
     since: float = 0.0
     since_step: int = 0
 
+    def waited(self, seconds: float) -> None:
+        """A train step waited `seconds` on its data."""
+        self.data_wait += seconds
+        self.data_wait_total += seconds
+
+    def take_data_wait(self) -> float:
+        """The seconds train steps waited on data since the last call (or log row); counting starts again."""
+        seconds, self.data_wait = self.data_wait, 0.0
+        return seconds
+
     def mark(self, step: int | None = None) -> float:
         self.since = time.perf_counter()
         self.since_step = self.since_step if step is None else step

@@ -126,3 +126,20 @@ def forward_backward_no_pipelining(
         if i < n - 1 and stop_now():
             raise StopMidStep(i + 1, n)
     return total
+
+
+def step_gradients(model: nn.Module, microbatches: list, numerics: StepNumerics, reduction, bounds, seed: int,
+                   dp_sum: Callable, device: torch.device, stop_now: Callable[[], bool]):
+    """The gradients of one optimizer step in .grad: its microbatches forward and backward under `reduction`, the
+    step replayed (random numbers from `seed` again) while the reduction cannot take it on its grids (exact
+    reduction, from its last step's `bounds`). Returns (this rank's loss share, the bounds for the next step)."""
+    # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
+    n_tokens = dp_sum(count_target_tokens(microbatches).float())
+    while True:
+        reduction.begin(bounds)
+        loss = forward_backward_no_pipelining(model, microbatches, n_tokens, device, numerics.forward_loss,
+                                              numerics.autocast, numerics.loss_context, stop_now, reduction)
+        done, bounds = reduction.finish()
+        if done:
+            return loss, bounds
+        torch.manual_seed(seed)

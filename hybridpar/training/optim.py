@@ -126,3 +126,14 @@ def clip_grad_norm(model: nn.Module, max_norm: float, norm_of=None) -> torch.Ten
         for grads in groups.values():
             torch._foreach_mul_(grads, coef)
     return total
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, finite) -> None:
+    """The update, skipped when the gradient norm is not finite, then the gradients freed: the fused kernels skip it
+    on the device (found_inf, no host read); an unfused optimizer can only be skipped from the host, by finite()."""
+    if all(g.get("fused") for g in optimizer.param_groups if not g.get("muon")):
+        optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
+        optimizer.step()
+    elif finite():
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

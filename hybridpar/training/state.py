@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from hybridpar.data.record import of_tensor, to_tensor
 from hybridpar.data.positions import batch_number, windows_of, windows_tensor
@@ -81,8 +82,20 @@ class TrainResult:
 
 @dataclass
 class Stop:
-    """A stop asked for by a signal (request_stop), acted on at the end of the step (after the current microbatch
+    """A stop asked for by a signal (the trainer's request_stop), acted on at the end of the step (after the current microbatch
     when no checkpoint would be saved); voted: some rank asked (read from a step's status)."""
     requested: bool = False
     signum: int = 0
     voted: bool = False
+
+    def vote(self, device: torch.device) -> torch.Tensor:
+        """1.0 on every rank when any rank was asked to stop, on the device (a fill kernel, not a host copy)."""
+        flag = torch.full((), float(self.requested), device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    def poll(self, device: torch.device) -> bool:
+        """Whether any rank asked to stop, read now (between two evaluation batches or tasks)."""
+        self.voted = self.voted or bool(self.vote(device))
+        return self.voted
