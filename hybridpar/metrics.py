@@ -192,11 +192,11 @@ class StepProfiler:
             return None
         import torch
 
-        self.profiler.__exit__(None, None, None)
-        self.profiler, steps = None, self.range
+        profiler, self.profiler, steps = self.profiler, None, self.range
+        profiler.__exit__(None, None, None)
         self.out.mkdir(parents=True, exist_ok=True)
         name = f"rank{self.rank}.steps{steps[0]}-{steps[1]}"
-        self.profiler.export_chrome_trace(str(self.out / f"{name}.pt.trace.json"))
+        profiler.export_chrome_trace(str(self.out / f"{name}.pt.trace.json"))
         if self.memory:
             torch.cuda.memory._dump_snapshot(str(self.out / f"{name}.memory.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
