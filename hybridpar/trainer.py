@@ -83,7 +83,7 @@ class Trainer:
         self.status = StatusQueue()
         refuse_skips(cfg, 0, [], self.state.skip_windows, self.data.train.n_batches)
         self.goodput: Goodput | None = None  # fit()'s time accounting (hybridpar.training.goodput)
-        self.profiler = StepProfiler(cfg.profile, device, run.run_dir / "profile", self.rank)
+        self.profiler: StepProfiler | None = None  # fit()'s (profile.steps)
         self.rates = Throughput(cfg, device)
 
     # what the run fixes, read from it
@@ -265,6 +265,7 @@ class Trainer:
         result = TrainResult(unigram_loss=self.data.unigram_loss)
         started = time.time() if started is None else started
         g = self.goodput = Goodput.begin(self.run_dir if self._keeps_goodput else None, started, self.state.step)
+        self.profiler = StepProfiler(self.cfg.profile, self.device, self.run_dir / "profile", self.rank)
         for line in g.notes + start_lines(self.run, self.model, self.mesh, self.data, result.unigram_loss):
             self.say(line)
         g.add("startup", time.time() - started)

@@ -112,25 +112,10 @@ class Plan:
     fp8_all_gather: bool = False
     optimizer: str = "adamw"
 
-    @property
-    def tokens(self) -> int:
-        """Tokens of one microbatch."""
-        return self.micro * self.seq_len
-
-    @property
-    def a(self) -> int:
-        """Bytes per element of the compute dtype."""
-        return 2 if self.precision == "bf16" else 4
-
-    @property
-    def autocast(self) -> bool:
-        """bf16 without FSDP's mixed precision: autocast (a custom parallelize function)."""
-        return self.precision == "bf16" and not self.fsdp
-
-    @property
-    def fused_loss(self) -> bool:
-        """The chunked LM head + loss (train.loss_chunk_tokens; tp 1 only)."""
-        return bool(self.loss_chunk_tokens) and self.layout.tp == 1
+    tokens = property(lambda self: self.micro * self.seq_len)  # of one microbatch
+    a = property(lambda self: 2 if self.precision == "bf16" else 4)  # bytes per element of the compute dtype
+    autocast = property(lambda self: self.precision == "bf16" and not self.fsdp)  # (no FSDP mixed precision)
+    fused_loss = property(lambda self: bool(self.loss_chunk_tokens) and self.layout.tp == 1)  # chunked head + loss
 
 
 def plan_of(cfg: Config, layout: Layout, rank: int = 0) -> Plan:
