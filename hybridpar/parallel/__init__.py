@@ -1,4 +1,8 @@
-"""Parallelism applied from outside the model, one function per model family.
+"""Parallelism applied from outside the model, one function per model family (parallelize_gpt, here).
+
+Its modules: the process group, mesh and layout (distributed.py), fp8 conversion (fp8.py), the TP plan
+(tensor_parallel.py) and SP's sequence shards (sequence_shard.py), FSDP2 wrapping (fsdp.py), the meta-device start-up
+(startup.py), and exact reduction's integer gradient sums (exact.py, imported only when the mode is on).
 
 The order is fixed: fp8 conversion -> tensor/sequence parallelism -> activation checkpointing -> torch.compile ->
 FSDP.
