@@ -79,7 +79,7 @@ def check_bitwise(overrides: list[str], steps: int = 5) -> dict:
         losses = []
         for step in range(steps):
             loss, _, _ = trainer.train_step(step)
-            losses.append(float(trainer._dp_sum(loss)))
+            losses.append(float(trainer.dp_sum(loss)))
         trainer.read_status()
         weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                    for n, p in trainer.model.named_parameters()}

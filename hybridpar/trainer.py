@@ -29,7 +29,7 @@ from hybridpar.inference.in_training import Evaluator
 from hybridpar.inference.tasks import load_tasks
 from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary, start_lines
 from hybridpar.parallel import start_notes
-from hybridpar.parallel.distributed import dp_rank_size, set_numerics
+from hybridpar.parallel.distributed import dp_rank_size, dp_sum, set_numerics
 from hybridpar.parallel.startup import build_parallel_model
 from hybridpar.planning.flops import Throughput
 from hybridpar.resolve import Run
@@ -58,8 +58,7 @@ class Trainer:
             self.say(note)
         t0 = time.perf_counter()
         dp_rank, dp_size = dp_rank_size(mesh)
-        # the data-parallel axes' groups of more than one rank (sliced once: a mesh slice reads its ranks on the host)
-        self.dp_groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard") if mesh[a].size() > 1]
+        self.dp_sum = dp_sum(mesh)
         self.data = build_training_data(cfg, run.tokenizer, run.stages, dp_rank, dp_size, device.type == "cuda")
         self.say(f"start-up: data ready in {time.perf_counter() - t0:.2f}s (indexes, sample order)")
         tasks = load_tasks(cfg.train.eval_tasks, cfg.data)  # read and checked now: a bad task file stops the start
@@ -72,7 +71,7 @@ class Trainer:
         self.reduction = build_reduction(cfg, self.model, mesh, dp_size)
         self.stop, self.clock = Stop(), Clock()
         self.evaluator = Evaluator(cfg, self.model, mesh, device, run.tokenizer, self.numerics, self.data, tasks,
-                                   self._dp_sum, lambda: self.stop.poll(device))
+                                   self.dp_sum, lambda: self.stop.poll(device))
         self.checkpointer = checkpointer
         self.recovery = Recovery(cfg, run.run_dir, checkpointer, keep_in_memory, dp_rank, dp_size,
                                  device.type == "cpu" or cfg.train.deterministic, self.say, self._log)
@@ -132,12 +131,6 @@ class Trainer:
         if self.log is not None:
             self.log.log(row)
 
-    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed in place over the data-parallel axes."""
-        for group in self.dp_groups:
-            dist.all_reduce(t, group=group)
-        return t
-
     # -- one optimizer step -----------------------------------------------------------------------------------
     def train_step(self, step: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
         """Optimizer step step + 1 (`step` are done). Returns (loss share, grad norm, lr), the first two on the
@@ -165,14 +158,14 @@ class Trainer:
         self.clock.waited(time.perf_counter() - t0)
         # without checkpointing nothing is saved at the step's end: a stop need not wait for it (minutes on CPU)
         loss, self.state.exact_bounds = step_gradients(
-            self.model, microbatches, n, red, self.state.exact_bounds, seed, self._dp_sum, self.device,
+            self.model, microbatches, n, red, self.state.exact_bounds, seed, self.dp_sum, self.device,
             lambda: self.stop.requested and cfg.checkpoint.interval == 0)
         local = self.recovery.local_numbers(loss, self.model)
         grad_norm = clip_grad_norm(self.model, cfg.train.grad_clip, red.grad_norm).reshape(()).float()
         # (norm, stop vote, global loss when spikes are tested): read by read_status(), now or one step late
         parts = [grad_norm, self.stop.vote(self.device)]
         if cfg.train.spike != "off":
-            parts.append(self._dp_sum(loss.detach().clone().reshape(())).float())  # (exact mode: summed in float64)
+            parts.append(self.dp_sum(loss.detach().clone().reshape(())).float())  # (exact mode: summed in float64)
         self.status.push(step + 1, torch.stack(parts), local)
         optimizer_step(self.optimizer, grad_norm, self.read_status)  # (unfused: the status read now)
         return loss, grad_norm, lr
@@ -314,7 +307,7 @@ class Trainer:
         stop = self.stop.voted
         if step == first and not log_now:  # the first step of a start is slow (allocations, compile): say it ended
             self.say(f"step {step}: first step done in {time.perf_counter() - clock.since:.1f}s (loss "
-                     f"{float(self._dp_sum(loss.clone())):.4f}); next lines every {cfg.logging.interval} steps")
+                     f"{float(self.dp_sum(loss.clone())):.4f}); next lines every {cfg.logging.interval} steps")
         if step == first and t.compile:
             self.say(compile_summary())
         written = self.profiler.after(step)
@@ -322,7 +315,7 @@ class Trainer:
             self.say(written)
         waited = clock.data_wait_total - waited
         if log_now or stop:
-            loss_value = float(self._dp_sum(loss))  # the one host sync of the interval
+            loss_value = float(self.dp_sum(loss))  # the one host sync of the interval
             now = time.perf_counter()
             g.step_took(step, now - began, waited)
             result.losses[step] = loss_value

@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, init_file: str, cache_dir: str, layouts, resu
                     trainer.read_status()
                     weights = {plain_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                                for n, p in trainer.model.named_parameters()}
-                    weights["(loss)"], weights["(grad norm)"] = trainer._dp_sum(loss.clone()), norm.clone()
+                    weights["(loss)"], weights["(grad norm)"] = trainer.dp_sum(loss.clone()), norm.clone()
                     steps.append(weights)
                 trainer.data.close()
                 if rank == 0:

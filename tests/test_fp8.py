@@ -197,7 +197,7 @@ def _fp8_worker(rank: int, world: int, init_file: str, cache_dir: str, cases, re
             cfg = replace(cfg, parallel=replace(cfg.parallel, dp_replicate=layout[0], dp_shard=layout[1], tp=layout[2]))
             run = resolve(cfg, WorldInfo(rank, world, rank, world), torch.device("cpu"))
             trainer = Trainer(run, init_mesh(run.layout.degrees, run.device))
-            losses = [trainer._dp_sum(trainer.train_step(step)[0]) for step in range(STEPS)]
+            losses = [trainer.dp_sum(trainer.train_step(step)[0]) for step in range(STEPS)]
             trainer.read_status()
             trainer.data.close()
             if rank == 0:

@@ -157,7 +157,7 @@ def _muon_worker(rank: int, world: int, init_file: str, cache_dir: str, cases, r
             trainer = Trainer(run, init_mesh(run.layout.degrees, run.device))
             losses = []
             for step in range(STEPS):
-                losses.append(trainer._dp_sum(trainer.train_step(step)[0]))
+                losses.append(trainer.dp_sum(trainer.train_step(step)[0]))
             trainer.read_status()
             weights = {plain_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                        for n, p in trainer.model.named_parameters()}

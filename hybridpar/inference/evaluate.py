@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.inference.tasks import Task
-from hybridpar.parallel.distributed import dp_rank_size, local_tensor
+from hybridpar.parallel.distributed import dp_rank_size, dp_sum, local_tensor
 
 PAD_TO = 16  # batch lengths are rounded up to this, the same on every layout
 
@@ -67,6 +67,7 @@ class Scorer:
         self.model, self.mesh, self.device, self.tok, self.progress = model, mesh, device, tokenizer, progress
         self.max_len, self.batch_size, self.autocast, self.pad_multiple = max_len, batch_size, autocast, pad_multiple
         self.dp_rank, self.dp = dp_rank_size(mesh)
+        self.dp_sum = dp_sum(mesh)
         self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
 
     # -- text -> tokens, as lm-evaluation-harness splits them ------------------------------------------------
@@ -120,10 +121,7 @@ class Scorer:
                     results[mine, 0], results[mine, 1] = ll, greedy.double()
         finally:
             self.model.train(was_training)
-        if self.dp > 1:  # each request was scored on one data-parallel rank: the sum is its value
-            for axis in ("dp_replicate", "dp_shard"):
-                if self.mesh[axis].size() > 1:
-                    dist.all_reduce(results, group=self.mesh[axis].get_group())
+        self.dp_sum(results)  # each request was scored on one data-parallel rank: the sum is its value
         return [(float(a), bool(b)) for a, b in results.tolist()]
 
     def _score(self, rows: list[int], seqs, pairs) -> tuple[torch.Tensor, torch.Tensor]:

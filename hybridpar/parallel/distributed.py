@@ -203,6 +203,18 @@ def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
     return r.get_local_rank() * s.size() + s.get_local_rank(), r.size() * s.size()
 
 
+def dp_sum(mesh: DeviceMesh):
+    """A function summing a tensor in place over the mesh's data-parallel axes, and returning it; the axes' groups
+    are sliced once, here (a mesh slice reads its ranks on the host)."""
+    groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard") if mesh[a].size() > 1]
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        for group in groups:
+            dist.all_reduce(t, group=group)
+        return t
+    return total
+
+
 def watch_agent(on_gone, interval: float = 0.5, stop: threading.Event | None = None) -> int | None:
     """Under torchrun (TORCHELASTIC_RUN_ID set), call on_gone(why) from a daemon thread once the agent that started
     this worker is gone: torchrun starts each worker in a session of its own, so an agent killed with SIGKILL (the
