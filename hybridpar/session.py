@@ -30,7 +30,6 @@ from hybridpar.parallel.distributed import agent_gone, init_mesh, shutdown, watc
 from hybridpar.resolve import Run, begin
 from hybridpar.trainer import Trainer
 from hybridpar.training.microbatch import StopMidStep
-from hybridpar.training.reduction import resume_notes
 from hybridpar.training.state import TrainResult
 
 EXIT_ABORTED = 76  # a second signal arrived while the preemption save was running
@@ -229,7 +228,7 @@ class Session:
             if not cfg.checkpoint.load_weights_only and run.device.type == "cpu" and was and was != now:
                 say(f"note: {load_from.name} was written by a CPU run with {was} intra-op threads and this one has "
                     f"{now}: the curve continues to rounding, not bitwise (OMP_NUM_THREADS={was} resumes it exactly)")
-            for note in resume_notes(load_from, cfg):
+            for note in exact_resume_notes(load_from, cfg):
                 say(note)
         if changes:
             say("warning: data settings changed on resume (checkpoint.allow_data_change): " + "; ".join(changes))
@@ -272,3 +271,25 @@ def say_once(e: UserError) -> None:
         except Exception:  # rank 0 did not get here (the launcher stops this rank, or the bound ends the wait)
             pass
     e.said = True
+
+
+def exact_resume_notes(load_from: Path, cfg: Config) -> list[str]:
+    """parallel.exact_reduction is bitwise across data-parallel degrees at a fixed tp and microbatch: a resume that
+    changed either continues the curve to rounding only, said here (nothing is refused: the run is still sound)."""
+    if not cfg.parallel.exact_reduction or cfg.checkpoint.load_weights_only:
+        return []
+    from hybridpar.checkpoint.resume_checks import read_checkpoint_config
+
+    saved = read_checkpoint_config(load_from) or {}
+    was_exact = saved.get("parallel", {}).get("exact_reduction")
+    fields = (("parallel", "tp", cfg.parallel.tp), ("train", "micro_batch_size", cfg.train.micro_batch_size))
+    changed = [f"{a}.{b} {saved[a][b]} -> {now}" for a, b, now in fields
+               if was_exact and isinstance(saved.get(a), dict) and saved[a].get(b) not in (None, now)]
+    if was_exact is False:
+        return [f"note: {load_from.name} was trained without parallel.exact_reduction: the curve from here is exact "
+                f"across data-parallel degrees, the steps before it were not"]
+    if not changed:
+        return []
+    return [f"note: {load_from.name} was trained with parallel.exact_reduction at another {', '.join(changed)}: the "
+            f"mode is bitwise across data-parallel degrees at a fixed tp and micro-batch size, so the curve continues "
+            f"to rounding, not bitwise (resume with the checkpoint's values to keep it exact)"]

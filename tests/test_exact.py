@@ -267,17 +267,17 @@ def test_a_resume_at_another_tp_or_micro_batch_says_the_curve_is_no_longer_bitwi
     from dataclasses import replace
 
     from hybridpar.config.cli import dump_yaml, load_config
-    from hybridpar.training.reduction import resume_notes
+    from hybridpar.session import exact_resume_notes
 
     saved = load_config(["--parallel.exact_reduction", "true", "--train.micro_batch_size", "2"])
     (tmp_path / "config.yaml").write_text(dump_yaml(saved))
-    assert resume_notes(tmp_path, saved) == []
+    assert exact_resume_notes(tmp_path, saved) == []
     tp2 = replace(saved, parallel=replace(saved.parallel, tp=2))
-    [note] = resume_notes(tmp_path, tp2)
+    [note] = exact_resume_notes(tmp_path, tp2)
     assert "parallel.tp 1 -> 2" in note and "not bitwise" in note, note
-    [note] = resume_notes(tmp_path, replace(saved, train=replace(saved.train, micro_batch_size=1)))
+    [note] = exact_resume_notes(tmp_path, replace(saved, train=replace(saved.train, micro_batch_size=1)))
     assert "train.micro_batch_size 2 -> 1" in note and "parallel.tp" not in note, note
-    assert resume_notes(tmp_path, replace(tp2, parallel=replace(tp2.parallel, exact_reduction=False))) == []
+    assert exact_resume_notes(tmp_path, replace(tp2, parallel=replace(tp2.parallel, exact_reduction=False))) == []
 
 
 def test_a_torch_without_the_modes_fsdp_hooks_still_trains_without_the_mode(monkeypatch):

@@ -64,25 +64,3 @@ def build_reduction(cfg, model, mesh, dp_size: int):
         # the grids are keyed by each parameter's plain name, the same on every layout
         return ExactGradients(model, mesh, {id(p): plain_name(n) for n, p in model.named_parameters()})
     return MeanReduction(float(dp_size) if isinstance(model, FSDPModule) else 1.0, cfg.parallel.accumulate_unsharded)
-
-
-def resume_notes(load_from, cfg) -> list[str]:
-    """parallel.exact_reduction is bitwise across data-parallel degrees at a fixed tp and microbatch: a resume that
-    changed either continues the curve to rounding only, said here (nothing is refused: the run is still sound)."""
-    if not cfg.parallel.exact_reduction or cfg.checkpoint.load_weights_only:
-        return []
-    from hybridpar.checkpoint.resume_checks import read_checkpoint_config
-
-    saved = read_checkpoint_config(load_from) or {}
-    was_exact = saved.get("parallel", {}).get("exact_reduction")
-    fields = (("parallel", "tp", cfg.parallel.tp), ("train", "micro_batch_size", cfg.train.micro_batch_size))
-    changed = [f"{a}.{b} {saved[a][b]} -> {now}" for a, b, now in fields
-               if was_exact and isinstance(saved.get(a), dict) and saved[a].get(b) not in (None, now)]
-    if was_exact is False:
-        return [f"note: {load_from.name} was trained without parallel.exact_reduction: the curve from here is exact "
-                f"across data-parallel degrees, the steps before it were not"]
-    if not changed:
-        return []
-    return [f"note: {load_from.name} was trained with parallel.exact_reduction at another {', '.join(changed)}: the "
-            f"mode is bitwise across data-parallel degrees at a fixed tp and micro-batch size, so the curve continues "
-            f"to rounding, not bitwise (resume with the checkpoint's values to keep it exact)"]
