@@ -111,6 +111,7 @@ class Plan:
     fp8_linears: str = "blocks"
     fp8_all_gather: bool = False
     optimizer: str = "adamw"
+    state_bytes: int = 4       # per element of each AdamW moment (optim.state_dtype)
 
     tokens = property(lambda self: self.micro * self.seq_len)  # of one microbatch
     a = property(lambda self: 2 if self.precision == "bf16" else 4)  # bytes per element of the compute dtype
@@ -142,7 +143,7 @@ def plan_of(cfg: Config, layout: Layout, rank: int = 0) -> Plan:
     return Plan(m, layout, sizes, flops, muon, t.seq_len, micro, n_micro, t.global_batch_size, precision, fsdp,
                 unsharded, reshard_after_forward(p), p.fsdp_prefetch, p.fsdp_cpu_offload, p.exact_reduction,
                 p.sequence_parallel, t.activation_checkpointing, t.ac_every, t.compile, t.loss_chunk_tokens,
-                math_attention, t.fp8, t.fp8_linears, t.fp8_all_gather, o.name)
+                math_attention, t.fp8, t.fp8_linears, t.fp8_all_gather, o.name, 2 if o.state_dtype == "bf16" else 4)
 
 
 # -- memory --------------------------------------------------------------------------------------------------------
@@ -279,10 +280,11 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
 
 
 def optimizer_bytes(plan: Plan) -> int:
-    """AdamW: two fp32 moments per parameter and a 4-byte step per tensor; Muon's matrices: one fp32 buffer."""
+    """AdamW: two moments per parameter (fp32, or bf16 with optim.state_dtype=bf16) and a 4-byte step per tensor;
+    Muon's matrices: one fp32 buffer."""
     hidden = plan.sizes.hidden if plan.optimizer == "muon" else ()
     muon = sum(held for _, held in hidden)
-    return 4 * muon + 8 * (plan.sizes.params - muon) + 4 * (plan.sizes.tensors - len(hidden))
+    return 4 * muon + 2 * plan.state_bytes * (plan.sizes.params - muon) + 4 * (plan.sizes.tensors - len(hidden))
 
 
 def memory(plan: Plan) -> dict:
@@ -438,12 +440,13 @@ def fsdp_time(plan: Plan, gpu: GPU, gpus_per_node: int, compute: float) -> dict:
 
 
 def optimizer_time(plan: Plan, gpu: GPU, gpus_per_node: int) -> dict:
-    """AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v) through HBM, Muon's matrices 20
+    """AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v; 20 with bf16 moments) through HBM,
+    Muon's matrices 20
     (read p, g, b; write p, b); Muon's Newton-Schulz FLOPs of this rank's share (rank 0 owns the most matrices) at
     gemm_efficiency of the bf16 peak, and its two all-to-alls over NVLink when the shard group fits in a node; not
     overlapped."""
     layout, d_model = plan.layout, plan.m.d_model
-    optimizer = 28 * plan.sizes.params / (gpu.hbm_gbps * 1e9)
+    optimizer = (12 + 4 * plan.state_bytes) * plan.sizes.params / (gpu.hbm_gbps * 1e9)
     if plan.optimizer == "muon":
         optimizer -= 8 * sum(held for _, held in plan.sizes.hidden) / (gpu.hbm_gbps * 1e9)
     ns = plan.muon["muon_ns_flops"] / (gpu.peak_tflops * 1e12 * gemm_efficiency(GEMM_FULL_RATE_TOKENS, d_model))

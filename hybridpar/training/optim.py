@@ -64,6 +64,9 @@ def make_optimizer(groups: list[dict], matrices: list[torch.Tensor], cfg: OptimC
     from hybridpar.training.muon import Muon
 
     params = [p for g in groups for p in g["params"]]
+    if cfg.state_dtype == "bf16":
+        return LowPrecisionAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                 state_dtype=torch.bfloat16)
     # Where the parameters live decides the kernel: with FSDP CPU offload they (and the step) are on the CPU.
     fused = cfg.fused if cfg.fused is not None else all(p.device.type == "cuda" for p in params)
     foreach = None if fused else cfg.foreach
@@ -129,11 +132,66 @@ def clip_grad_norm(model: nn.Module, max_norm: float, norm_of=None) -> torch.Ten
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, finite) -> None:
-    """The update, skipped when the gradient norm is not finite, then the gradients freed: the fused kernels skip it
-    on the device (found_inf, no host read); an unfused optimizer can only be skipped from the host, by finite()."""
-    if all(g.get("fused") for g in optimizer.param_groups if not g.get("muon")):
+    """The update, skipped when the gradient norm is not finite, then the gradients freed: the fused kernels (and
+    LowPrecisionAdamW) skip it on the device (found_inf, no host read); torch's unfused AdamW can only be skipped
+    from the host, by finite()."""
+    if isinstance(optimizer, LowPrecisionAdamW) or all(g.get("fused") for g in optimizer.param_groups
+                                                       if not g.get("muon")):
         optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
         optimizer.step()
     elif finite():
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+class LowPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW with its moments stored in `state_dtype` (optim.state_dtype=bf16: 4 bytes a parameter, not 8), rounded
+    to nearest when stored; the update is computed in fp32 from them and applied to the fp32 weights, with torch's
+    AdamW arithmetic (decoupled decay, bias-corrected moments). Every operation is elementwise on the local shards,
+    so each element steps alike on every layout. found_inf (a 0-dim tensor set before step(), as for the fused
+    AdamW): when nonzero the step changes nothing, decided on the device (no host read)."""
+
+    def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
+                 state_dtype: torch.dtype):
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        self.state_dtype, self.found_inf = state_dtype, None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, which casts every floating state to its parameter's dtype; the moments cast back (exact for
+        moments saved in bf16; a checkpoint's fp32 moments are rounded to nearest)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key] = state[key].to(self.state_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        from hybridpar.parallel.distributed import local_tensor
+
+        keep = None if self.found_inf is None else self.found_inf == 0
+        for group in self.param_groups:
+            (beta1, beta2), lr, eps, decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # (the moments shard like the parameter: DCP saves and reshards them alike)
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                w, g = local_tensor(p), local_tensor(p.grad).float()
+                m_kept, v_kept = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+                step = state["step"] + 1
+                m = m_kept.to(torch.float32, copy=True).lerp_(g, 1 - beta1)  # (copies: a skipped step keeps them)
+                v = v_kept.to(torch.float32, copy=True).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (v.sqrt() / (1 - beta2 ** step).sqrt()).add_(eps)
+                new = (w * (1 - lr * decay)).sub_(m / denom * (lr / (1 - beta1 ** step)))
+                if keep is not None:  # a skipped step keeps every value as it was
+                    new, m, v, step = (torch.where(keep, a, b) for a, b in
+                                       ((new, w), (m, m_kept), (v, v_kept), (step, state["step"])))
+                w.copy_(new)
+                m_kept.copy_(m)
+                v_kept.copy_(v)
+                state["step"] = step
+
