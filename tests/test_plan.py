@@ -514,6 +514,33 @@ def test_published_rows_beside_their_plans():
     assert fitted["loo_rms"] < 0.08
 
 
+def test_other_frameworks_runs_are_transcribed_and_tabled():
+    """tests/published_frameworks.py, the runs the planner was not fitted to: the shapes as published (Llama-3 8B:
+    8.03B parameters, its model card's figure; MPT-7B: GELU 4x, multi-head), KempnerForge's weak-scaling 70B row at TP 4 x FSDP 8
+    the layout and memory of its mfu sweep's row 14 (two files, transcribed apart), and the out-of-sample table
+    in docs/planning.md the one the code prints."""
+    from hybridpar.planning.flops import matmul_params
+    import published_frameworks as pf
+    import published_runs as pr
+
+    def total(m):
+        embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+        return matmul_params(m) - (m.vocab_size * m.d_model) + embed
+
+    llama = pf.config(pf.ROWS[0]).model
+    assert (llama.n_layers, llama.d_model, llama.n_heads, llama.kv_heads, llama.ffn_dim, llama.vocab_size) == (
+        32, 4096, 32, 8, 14336, 128256)
+    assert round(total(llama) / 1e9, 2) == 8.03
+    mpt7 = pf.config(next(r for r in pf.ROWS if r.model == "mpt-7b")).model
+    assert (mpt7.mlp, mpt7.kv_heads, mpt7.ffn_dim, mpt7.vocab_size) == ("gelu", 32, 4 * 4096, 50368)
+    weak = next(r for r in pf.ROWS if r.framework == "KempnerForge" and r.model == "kf-70b" and r.dp_shard == 8)
+    sweep = next(r for r in pr.ROWS if r.n == 14)
+    assert (weak.tp, weak.dp_shard, weak.micro, weak.accumulation, weak.memory) == (
+        sweep.tp, sweep.dp_shard, sweep.micro, sweep.accumulation, sweep.memory_gib)
+    assert pf.config(weak).model == pr.config(sweep).model
+    assert pf.table() in (ROOT / "docs" / "planning.md").read_text()
+
+
 @pytest.mark.parametrize("model, nodes, batch, seq, tp", [("gpt3-1.3b", 1, 64, 2048, 1),
                                                           ("gpt-modern-7b", 8, 256, 4096, 1),
                                                           ("gpt3-175b", 128, 1536, 2048, 8)], ids=["8", "64", "1024"])
