@@ -24,7 +24,7 @@ from hybridpar.config.cli import ConfigError, parse_command
 from hybridpar.models.config import doc
 from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
 from hybridpar.parallel.distributed import Layout
-from hybridpar.planning.cost import GIB, GPU, GPUS, memory, plan_of, step_time
+from hybridpar.planning.cost import GIB, GPU, GPUS, OUT_OF_SAMPLE_SPEED_ERROR, memory, plan_of, step_time
 from hybridpar.planning.layouts import rank_layouts
 from hybridpar.resolve import longest_stage, resolve
 
@@ -126,6 +126,9 @@ def print_report(out: dict) -> None:
           f"optimizer {out['optimizer_s'] + out['muon_ns_s'] + out['muon_comm_s']:.3f} + per-microbatch overhead "
           f"{out['per_microbatch_overhead_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}"
           + (f" of the bf16 peak, {out['mfu_fp8']:.0%} of the fp8 peak" if out.get("mfu_fp8") else ""))
+    low, high = OUT_OF_SAMPLE_SPEED_ERROR
+    print(f"  (planned tokens/s on other frameworks' published runs: {low:+.0%} to {high:+.0%} of the measured; "
+          f"docs/planning.md)")
     if out["optimizer"] == "muon":
         print(f"muon (rank {out['rank']}): Newton-Schulz {out['muon_ns_flops'] / 1e12:.2f} TFLOP "
               f"({out['muon_ns_s']:.3f} s), all-to-all {g(out['muon_comm_bytes'])} sent ({out['muon_comm_s']:.3f} s)")

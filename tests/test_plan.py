@@ -539,6 +539,10 @@ def test_other_frameworks_runs_are_transcribed_and_tabled():
         sweep.tp, sweep.dp_shard, sweep.micro, sweep.accumulation, sweep.memory_gib)
     assert pf.config(weak).model == pr.config(sweep).model
     assert pf.table() in (ROOT / "docs" / "planning.md").read_text()
+    from hybridpar.planning.cost import OUT_OF_SAMPLE_SPEED_ERROR  # what launch/plan.py says beside its step time
+
+    errors = [pf.planned(r)["speed_error"] for r in pf.ROWS if r.accumulation is not None]
+    assert OUT_OF_SAMPLE_SPEED_ERROR == (round(min(errors), 2), round(max(errors), 2))
 
 
 @pytest.mark.parametrize("model, nodes, batch, seq, tp", [("gpt3-1.3b", 1, 64, 2048, 1),

@@ -72,6 +72,9 @@ KERNELS_PER_BLOCK = {"gpt2": 50, "modern": 111}  # forward + backward ops of one
 LAUNCH_S = 5e-6           # host time per kernel launch, exposed when kernels are short (CUDA launch latency, ~5 us)
 FSDP_HOOKS_S = 100e-6     # FSDP2's pre/post forward and backward hooks of one block, per microbatch (host time)
 LINK_EFFICIENCY = 0.80    # achieved bus bandwidth / link bandwidth of NCCL ring collectives at large message sizes
+# How far the planned tokens/s is from runs it was not fitted to (other frameworks' published runs: the lowest and the
+# highest error of tests/published_frameworks.py's table, docs/planning.md; tests/test_plan.py keeps them equal)
+OUT_OF_SAMPLE_SPEED_ERROR = (-0.17, 0.92)
 RESERVED_GIB = 3.0        # CUDA context, NCCL buffers and allocator fragmentation kept out of the usable memory
 RUNTIME_RESERVE_GIB = 2.0  # of a GPU's free memory at start (the context already out): NCCL buffers and allocator
 #                            fragmentation; not yet measured on a GPU (benchmarks/h200_check.sh reports reserved -
