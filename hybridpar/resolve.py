@@ -16,7 +16,8 @@ The order (docs/training.md walks it):
  6. the device's usable memory (the minimum over ranks); with parallel.layout=auto the planner's fastest layout
     that fits it (degrees, FSDP strategy, micro-batch, checkpointing; written as manual); the layout's
     divisibility rules, with the final vocabulary; the micro-batch size
- 7. the accumulation mode, the memory refusal (with data.stages, for the longest stage's sequences)
+ 7. the optimizer state's dtype (optim.state_dtype=auto), the accumulation mode, the memory refusal (with
+    data.stages, for the longest stage's sequences)
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Run:
     run_state: Mapping  # that checkpoint's run_state.json ({} without one)
     lock: RunDirLock | None  # held by rank 0 of a run that owns its run dir
     stages: StagePlan | None = None  # data.stages, parsed once (hybridpar.data.stages)
-    layout_choice: str | None = None  # parallel.layout=auto: the choice and the runner-up, said at start
+    layout_choice: str | None = None  # what the planner chose (parallel.layout=auto, optim.state_dtype=auto): said at start
 
     @property
     def microbatches(self) -> int:
@@ -251,9 +252,14 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
         cfg = replace(cfg, train=replace(train, micro_batch_size=micro_batch_size_for(cfg, layout.dp)))
         check_exact(cfg)
         refuse = gpu is None and device.type == "cuda" and cfg.train.memory_check  # refuse what cannot fit, now
-        accumulate = settle_memory(longest_stage(cfg, stages, layout.dp), layout, usable, node,
-                                   torch.cuda.get_device_name(device) if refuse else None)  # 7
-        cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=accumulate))
+        accumulate, state = settle_memory(longest_stage(cfg, stages, layout.dp), layout, usable, node,
+                                          torch.cuda.get_device_name(device) if refuse else None)  # 7
+        if state != cfg.optim.state_dtype:  # optim.state_dtype=auto
+            choice = "\n".join(filter(None, [choice, f"optim.state_dtype auto: {state} moments (the plan with fp32 "
+                                                      f"moments {'fits' if state == 'fp32' else 'does not fit'} "
+                                                      f"{usable / 2 ** 30:.1f} GiB per GPU)"]))
+        cfg = replace(cfg, parallel=replace(parallel, accumulate_unsharded=accumulate),
+                      optim=replace(cfg.optim, state_dtype=state))
     except BaseException:
         if lock is not None:
             lock.release()

@@ -93,3 +93,41 @@ def test_bf16_moments_are_adamws_alone_at_betas_bf16_can_hold():
                        (["--optim.beta2", "0.999"], "optim.beta2 <= 0.99")):
         with pytest.raises((ConfigError, ValueError), match=said):
             load_config(["--optim.state_dtype", "bf16", *argv])
+
+
+class _Vocabulary:
+    def __init__(self, n: int):
+        self.vocab_size, self.spec = n, f"{n} tokens"
+
+
+@pytest.mark.parametrize("layout_auto", [False, True])
+def test_state_dtype_auto_takes_bf16_only_where_fp32_moments_do_not_fit(layout_auto):
+    """optim.state_dtype auto, resolved for a GPU 1 MB above and 1 MB below what the plan with fp32 moments needs
+    (gpt-modern-1b, one GPU): fp32 where it fits, bf16 below, and the start says which; with --parallel.layout auto,
+    against the leanest layout the search has (it tries every layout with fp32 moments first)."""
+    from dataclasses import replace
+
+    from hybridpar.config.cli import load_config
+    from hybridpar.parallel.distributed import Layout, WorldInfo
+    from hybridpar.planning.cost import GIB, GPUS, RESERVED_GIB, memory, plan_of
+    from hybridpar.planning.layouts import candidate_layouts
+    from hybridpar.resolve import resolve
+
+    argv = ["--model.name", "gpt-modern-1b", "--train.precision", "bf16", "--train.global_batch_size", "8",
+            "--optim.state_dtype", "auto", "--logging.wandb.mode", "disabled",
+            *(["--parallel.layout", "auto"] if layout_auto else ["--train.micro_batch_size", "8"])]
+    cfg = load_config(argv)
+
+    def least(state):  # the plan's bytes with these moments: of the run's layout, or the leanest the search has
+        c = replace(cfg, optim=replace(cfg.optim, state_dtype=state))
+        configs = candidate_layouts(c, 1, 8) if layout_auto else [c]
+        return min(memory(plan_of(x, Layout(1, 1, 1)))["total_bytes_per_gpu"] for x in configs)
+
+    need = {s: least(s) for s in ("fp32", "bf16")}
+    assert need["fp32"] - need["bf16"] > 4 * 10 ** 9  # 4 bytes a parameter of 1.2B
+    for usable, want in ((need["fp32"] + 10 ** 6, "fp32"), (need["fp32"] - 10 ** 6, "bf16")):
+        gpu = replace(GPUS["h100"], memory_gib=usable / GIB + RESERVED_GIB)
+        run = resolve(cfg, WorldInfo(0, 1, 0, 1), torch.device("meta"), tokenizer=_Vocabulary(32000), gpu=gpu)
+        assert run.cfg.optim.state_dtype == want, (usable, run.layout_choice)
+        if not layout_auto:
+            assert f"optim.state_dtype auto: {want} moments" in run.layout_choice

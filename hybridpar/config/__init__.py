@@ -187,9 +187,10 @@ class OptimConfig:
                                       "default), off on CPU")
     foreach: Optional[bool] = doc(None, "without the fused kernel: the foreach (multi-tensor) AdamW; None = torch's "
                                         "choice (foreach on CUDA, the per-tensor loop on CPU)")
-    state_dtype: Literal["fp32", "bf16"] = doc(
+    state_dtype: Literal["fp32", "bf16", "auto"] = doc(
         "fp32", "AdamW's moments: fp32 (8 bytes a parameter), or bf16 (4: rounded to nearest when stored, the update "
-        "computed in fp32; the weights stay fp32); docs/training.md#low-precision-optimizer-state says what it costs")
+        "computed in fp32; the weights stay fp32); auto: fp32, or bf16 when the plan does not fit the device with "
+        "fp32 moments (said at start); docs/training.md#low-precision-optimizer-state says what it costs")
 
     def __post_init__(self):
         check_choices("optim", self)
@@ -211,18 +212,20 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"optim.{name}={getattr(self, name)} must be in [0, 1)")
-        if self.state_dtype == "bf16" and self.name != "adamw":
-            raise ValueError(f"optim.state_dtype=bf16 is AdamW's (optim.name={self.name}); use optim.name=adamw or "
-                             f"optim.state_dtype=fp32")
+        low = self.state_dtype != "fp32"  # (auto may choose bf16: refused where bf16 would be)
+        if low and self.name != "adamw":
+            raise ValueError(f"optim.state_dtype={self.state_dtype} is AdamW's (optim.name={self.name}); use "
+                             f"optim.name=adamw or optim.state_dtype=fp32")
         for name in ("beta1", "beta2"):  # a moment rounded to nearest in bf16 moves only by more than half an ulp
-            if self.state_dtype == "bf16" and 1 - getattr(self, name) < 2 ** -7:
-                raise ValueError(f"optim.state_dtype=bf16 with optim.{name}={getattr(self, name)}: a step moves the "
+            if low and 1 - getattr(self, name) < 2 ** -7:
+                raise ValueError(f"optim.state_dtype={self.state_dtype} with optim.{name}={getattr(self, name)}: a "
+                                 f"step moves the "
                                  f"moment by {1 - getattr(self, name):.2%} of the gradient's difference from it, under "
                                  f"bf16's rounding (0.4-0.8%), so it stops tracking; use optim.{name} <= 0.99 or "
                                  f"optim.state_dtype=fp32")
-        if self.state_dtype == "bf16" and self.fused:
-            raise ValueError("optim.state_dtype=bf16 runs hybridpar's own AdamW, not torch's fused kernel: drop "
-                             "optim.fused true")
+        if low and self.fused:
+            raise ValueError(f"optim.state_dtype={self.state_dtype} runs hybridpar's own AdamW for bf16 moments, not "
+                             f"torch's fused kernel: drop optim.fused true")
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,13 @@ def check_auto(cfg: Config) -> None:
 def choose_layout(cfg: Config, world: int, gpus_per_node: int, gpu: GPU, usable: int) -> tuple[Config, list[dict]]:
     """parallel.layout=auto: the config with the fastest ranked layout of `world` GPUs that fits `usable` bytes
     (rank_layouts, timed with `gpu`'s figures), and the two best rows (choice, runner-up). ConfigError when none fits."""
-    rows = rank_layouts(cfg, world, gpus_per_node, replace(gpu, memory_gib=usable / GIB + RESERVED_GIB), top=2)
+    fitted = replace(gpu, memory_gib=usable / GIB + RESERVED_GIB)
+    auto_state = cfg.optim.state_dtype == "auto"  # fp32 moments where a layout fits with them, else bf16
+    cfg = replace(cfg, optim=replace(cfg.optim, state_dtype="fp32")) if auto_state else cfg
+    rows = rank_layouts(cfg, world, gpus_per_node, fitted, top=2)
+    if not rows and auto_state:
+        cfg = replace(cfg, optim=replace(cfg.optim, state_dtype="bf16"))
+        rows = rank_layouts(cfg, world, gpus_per_node, fitted, top=2)
     if not rows:
         unfit = batch_unfit(cfg, world, gpus_per_node)
         if unfit:
@@ -211,11 +217,24 @@ def refuse_if_too_big(cfg: Config, layout: Layout, usable: int, gpus_per_node: i
                       f"usable; {hint}; --train.memory_check false starts anyway")
 
 
-def settle_memory(cfg: Config, layout: Layout, usable: int, gpus_per_node: int, device_name: str | None) -> bool:
-    """parallel.accumulate_unsharded for this run (choose_accumulation); with a device_name (a GPU run with
-    train.memory_check), refuse_if_too_big on the config with it."""
+def choose_state_dtype(cfg: Config, layout: Layout, usable_bytes: int) -> str:
+    """optim.state_dtype for this run: the setting when it is fp32 or bf16; for auto, fp32 when the plan with fp32
+    moments fits `usable_bytes` (with sharded accumulation, which needs the least), else bf16."""
+    if cfg.optim.state_dtype != "auto":
+        return cfg.optim.state_dtype
+    lean = replace(cfg, optim=replace(cfg.optim, state_dtype="fp32"),
+                   parallel=replace(cfg.parallel, accumulate_unsharded=False))
+    return "fp32" if memory(plan_of(lean, layout))["total_bytes_per_gpu"] <= usable_bytes else "bf16"
+
+
+def settle_memory(cfg: Config, layout: Layout, usable: int, gpus_per_node: int,
+                  device_name: str | None) -> tuple[bool, str]:
+    """optim.state_dtype (choose_state_dtype) and parallel.accumulate_unsharded (choose_accumulation) for this run;
+    with a device_name (a GPU run with train.memory_check), refuse_if_too_big on the config with them."""
+    state = choose_state_dtype(cfg, layout, usable)
+    cfg = replace(cfg, optim=replace(cfg.optim, state_dtype=state))
     accumulate = choose_accumulation(cfg, layout, usable)
     if device_name is not None:
         held = replace(cfg, parallel=replace(cfg.parallel, accumulate_unsharded=accumulate))
         refuse_if_too_big(held, layout, usable, gpus_per_node, gpu_by_name(device_name), device_name)
-    return accumulate
+    return accumulate, state

@@ -64,6 +64,8 @@ def make_optimizer(groups: list[dict], matrices: list[torch.Tensor], cfg: OptimC
     from hybridpar.training.muon import Muon
 
     params = [p for g in groups for p in g["params"]]
+    if cfg.state_dtype == "auto":
+        raise ValueError("optim.state_dtype=auto is settled by hybridpar.resolve before an optimizer is built")
     if cfg.state_dtype == "bf16":
         return LowPrecisionAdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                  state_dtype=torch.bfloat16)
