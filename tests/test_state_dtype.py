@@ -131,3 +131,20 @@ def test_state_dtype_auto_takes_bf16_only_where_fp32_moments_do_not_fit(layout_a
         assert run.cfg.optim.state_dtype == want, (usable, run.layout_choice)
         if not layout_auto:
             assert f"optim.state_dtype auto: {want} moments" in run.layout_choice
+
+
+def test_a_resume_may_change_the_moments_dtype(tmp_path, cache_dir):
+    """A checkpoint with fp32 moments resumes with bf16 ones (rounded to nearest) and back: steps 6-10 after the
+    change follow the unchanged run's within 1e-5 relative (the moments' rounding), and the bf16 checkpoint loads into
+    fp32 moments."""
+    cli = launcher("pretrain_gpt").cli
+    base = [*SMALL, "--train.steps", "10", "--checkpoint.interval", "5", "--data.cache_dir", str(cache_dir)]
+    assert cli([*base, "--run.dir", str(tmp_path / "fp32")]) == 0
+    assert cli([*base, "--optim.state_dtype", "bf16", "--run.dir", str(tmp_path / "bf16"), "--checkpoint.load",
+                str(tmp_path / "fp32" / "checkpoints" / "step_00000005")]) == 0
+    assert cli([*base, "--train.steps", "12", "--run.dir", str(tmp_path / "back"), "--checkpoint.load",
+                str(tmp_path / "bf16" / "checkpoints" / "step_00000010")]) == 0
+    fp32, bf16, back = (loss_curve(tmp_path / d) for d in ("fp32", "bf16", "back"))
+    assert all(abs(bf16[s] / fp32[s] - 1) < 1e-5 for s in range(6, 11))
+    assert any(bf16[s] != fp32[s] for s in range(6, 11))  # (the rounded moments do show)
+    assert sorted(back) == [11, 12]
