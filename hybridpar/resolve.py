@@ -62,7 +62,7 @@ class Run:
     run_state: Mapping  # that checkpoint's run_state.json ({} without one)
     lock: RunDirLock | None  # held by rank 0 of a run that owns its run dir
     stages: StagePlan | None = None  # data.stages, parsed once (hybridpar.data.stages)
-    layout_choice: str | None = None  # what the planner chose (parallel.layout=auto, optim.state_dtype=auto): said at start
+    layout_choice: str | None = None  # the planner's choices (parallel.layout, optim.state_dtype auto), said at start
 
     @property
     def microbatches(self) -> int:

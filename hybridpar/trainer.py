@@ -97,7 +97,7 @@ class Trainer:
 
     def request_stop(self, signum: int) -> None:
         """Stop at the end of this step, or after this microbatch when nothing would be saved (a signal handler)."""
-        self.stop.requested, self.stop.signum = True, signum
+        self.stop.request(signum)
 
     # -- the loop's position: what a checkpoint keeps, what a resume and a rewind replace ------------------------
     def position(self, state: TrainState | None = None) -> dict:
@@ -359,8 +359,8 @@ class Trainer:
             seq_len = staged["seq_len"]
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 **self.rates.row(step, elapsed, steps, seq_len, self.clock.take_data_wait()),
-                "skipped_steps": self.state.skipped, "batch_crc32": self.data.train.crc32.get(self.state.batch_for(step - 1)),
-                **staged,
+                "skipped_steps": self.state.skipped,
+                "batch_crc32": self.data.train.crc32.get(self.state.batch_for(step - 1)), **staged,
                 **self.reduction.row()}
 
     def _checkpoint(self, end: bool = False) -> None:

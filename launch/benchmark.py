@@ -96,7 +96,8 @@ def bench_hybridpar(cfg, warmup: int, steps: int) -> tuple[dict, torch.device, C
     from hybridpar.planning.cost import memory, plan_of
 
     result = {
-        "planned_bytes": memory(plan_of(cfg, trainer.run.layout))["total_bytes_per_gpu"],  # the run's resolved config: what it chose
+        # the run's resolved config: what it chose
+        "planned_bytes": memory(plan_of(cfg, trainer.run.layout))["total_bytes_per_gpu"],
         "accumulate_unsharded": cfg.parallel.accumulate_unsharded,
         "microbatches": trainer.run.microbatches,
         "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,

@@ -112,8 +112,10 @@ class Checkpointer:
         steps, and at the end of a run unless it is saved already (a finished run started again resumes at its last
         step, whose checkpoint exists)."""
         interval = self.cfg.checkpoint.interval
-        if not interval or not end:
-            return bool(interval) and step % interval == 0
+        if not interval:
+            return False
+        if not end:
+            return step % interval == 0
         return last_saved != step and not is_complete(checkpoint_dir(self.run_dir, step))
 
     def save(self, step: int, model: nn.Module, optimizer, position: dict, wandb_id: str | None = None) -> Path:

@@ -196,7 +196,8 @@ def _checkpointed(plan: Plan, layer: float, s: int, r: int) -> tuple[float, floa
     if plan.ac == "selective":
         nh, nkv = m.n_heads / tp, m.kv_heads / tp
         kept = (2 * r * m.d_model / s + a * (nh + 2 * nkv) * m.head_dim + a * nh * m.head_dim + 4 * nh
-                + a * (2 if m.mlp == "swiglu" else 1) * m.ffn_dim / tp + (2 * a * m.d_model if plan.fp8 != "off" else 0))
+                + a * (2 if m.mlp == "swiglu" else 1) * m.ffn_dim / tp
+                + (2 * a * m.d_model if plan.fp8 != "off" else 0))
         return L * kept, max(0, layer - kept)  # recomputed: norms, RoPE, activation, ...
     return L * layer, 0
 

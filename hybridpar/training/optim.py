@@ -11,6 +11,7 @@ from torch import nn
 
 from hybridpar.config import OptimConfig
 from hybridpar.errors import ConfigError
+from hybridpar.parallel.distributed import local_tensor
 
 
 def tensor_kind(t: torch.Tensor) -> tuple:
@@ -169,8 +170,6 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from hybridpar.parallel.distributed import local_tensor
-
         keep = None if self.found_inf is None else self.found_inf == 0
         for group in self.param_groups:
             (beta1, beta2), lr, eps, decay = group["betas"], group["lr"], group["eps"], group["weight_decay"]

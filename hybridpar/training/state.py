@@ -82,11 +82,15 @@ class TrainResult:
 
 @dataclass
 class Stop:
-    """A stop asked for by a signal (the trainer's request_stop), acted on at the end of the step (after the current microbatch
+    """A stop asked for by a signal (request), acted on at the end of the step (after the current microbatch
     when no checkpoint would be saved); voted: some rank asked (read from a step's status)."""
     requested: bool = False
     signum: int = 0
     voted: bool = False
+
+    def request(self, signum: int) -> None:
+        """A signal asked this process to stop."""
+        self.requested, self.signum = True, signum
 
     def vote(self, device: torch.device) -> torch.Tensor:
         """1.0 on every rank when any rank was asked to stop, on the device (a fill kernel, not a host copy)."""
