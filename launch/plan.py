@@ -24,7 +24,7 @@ from hybridpar.config.cli import ConfigError, parse_command
 from hybridpar.models.config import doc
 from hybridpar.parallel.distributed import MESH_AXES, WorldInfo
 from hybridpar.parallel.distributed import Layout
-from hybridpar.planning.cost import GIB, GPU, GPUS, OUT_OF_SAMPLE_SPEED_ERROR, memory, plan_of, step_time
+from hybridpar.planning.cost import GIB, GPU, GPUS, OUT_OF_SAMPLE_STEP_ERROR, memory, plan_of, step_time
 from hybridpar.planning.layouts import rank_layouts
 from hybridpar.resolve import longest_stage, resolve
 
@@ -123,12 +123,13 @@ def print_report(out: dict) -> None:
     print(f"  usable       {g(out['usable_bytes_per_gpu'])}  -> {'fits' if out['fits'] else 'DOES NOT FIT'}")
     print(f"step time (estimate) {out['step_time_s']:.3f} s = compute {out['compute_s']:.3f} + TP "
           f"{out['tp_comm_s']:.3f} + exposed FSDP {out['fsdp_exposed_s']:.3f} (of {out['fsdp_comm_s']:.3f}) + "
+          f"selective recompute {out['selective_recompute_s']:.3f} + eager elementwise {out['eager_s']:.3f} + "
           f"optimizer {out['optimizer_s'] + out['muon_ns_s'] + out['muon_comm_s']:.3f} + per-microbatch overhead "
           f"{out['per_microbatch_overhead_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}"
           + (f" of the bf16 peak, {out['mfu_fp8']:.0%} of the fp8 peak" if out.get("mfu_fp8") else ""))
-    low, high = OUT_OF_SAMPLE_SPEED_ERROR
-    print(f"  (planned tokens/s on other frameworks' published runs: {low:+.0%} to {high:+.0%} of the measured; "
-          f"docs/planning.md)")
+    low, high, rms = OUT_OF_SAMPLE_STEP_ERROR
+    print(f"  (step time planned for published runs of frameworks the model was not fitted to: {low:+.0%} to "
+          f"{high:+.0%} of the measured, {rms:.0%} RMS; docs/planning.md)")
     if out["optimizer"] == "muon":
         print(f"muon (rank {out['rank']}): Newton-Schulz {out['muon_ns_flops'] / 1e12:.2f} TFLOP "
               f"({out['muon_ns_s']:.3f} s), all-to-all {g(out['muon_comm_bytes'])} sent ({out['muon_comm_s']:.3f} s)")

@@ -1,13 +1,16 @@
-"""Published training runs of other frameworks, transcribed as each framework's repository states them, to plan
-out of sample: the planner's constants are fitted to KempnerForge's H200 sweep and the 1.3B reference
-(tests/published_runs.py) and to nothing here. `python tests/published_frameworks.py` prints, per row, the
-measured and planned tokens/s per GPU and memory, and the error.
+"""Published training runs of five frameworks, transcribed as each framework's repository states them, and the fit of
+the planner's time model to them (hybridpar/planning/cost.py keeps the fitted constants; tests/test_plan.py holds them
+equal to fit()). `python tests/published_frameworks.py` prints, per run, the measured step beside the planned one,
+in sample (the constants fitted to every framework) and out of sample (fitted to the other frameworks alone).
 
 Sources (each row's `source`):
 - torchtitan, benchmarks/llama3_h100_202412_torchtitan.md: Llama-3 8B (32 x 4096, 32 heads, 8 KV, FFN 14,336,
-  vocab 128,256), seq 8192, H100 96 GB HBM2e at a 500 W cap, selective AC, bf16 FSDP (fp32 master weights).
+  vocab 128,256), seq 8192, H100 96 GB HBM2e at a 500 W cap (cost.GPUS["h100-96gb-500w"]), selective AC, bf16 FSDP
+  (fp32 master weights). Its selective AC is per-op: it saves every second matmul's output and recomputes the others
+  (torchtitan's _apply_ac_to_transformer_block, mm_count % 2), planned as Plan.recomputed_matmuls = 0.5.
+- KempnerForge's H200 sweep (tests/published_runs.py) and the GPT-3 1.3B reference step there (hybridpar's own).
 - torchao, docs/source/workflows/training.md: the same 8B on 8 H100, FSDP 8, micro 1, seq 8192, compile, per-op
-  selective AC, bf16.
+  selective AC (torchtitan's, as above), bf16.
 - llm-foundry, scripts/train/benchmarking/README.md: MPT models (GPT-shaped: multi-head attention, GELU 4x MLP,
   vocab 50,368), seq 2048, 80 GB H100, FSDP FULL_SHARD with bf16 parameters.
 - KempnerForge, benchmarks/weak_scaling_160gpu/README.md: H200, seq 4096, full AC, compile, its bf16 recipe (weights,
@@ -23,11 +26,15 @@ reported, not compared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
+
+import published_runs as pr
 from hybridpar.config.cli import load_config
 from hybridpar.parallel.distributed import Layout
-from hybridpar.planning.cost import GIB, GPUS, memory, plan_of, step_time
+from hybridpar.planning import cost
+from hybridpar.planning.cost import GIB, GPUS, Plan, memory, plan_of, step_time, token_curve
 
 LLAMA3_8B = ["--model.name", "gpt-modern-7b", "--model.n_kv_heads", "8", "--model.vocab_size", "128256"]
 LLAMA32_1B = ["--model.name", "gpt-modern-1b", "--model.n_kv_heads", "8", "--model.vocab_size", "128256",
@@ -52,7 +59,7 @@ class Published:
     framework: str
     source: str
     model: str  # a SHAPES key
-    gpu: str  # a hybridpar.planning.cost.GPUS key (the nearest: a 96 GB H100 at 500 W is planned as an H100)
+    gpu: str  # a hybridpar.planning.cost.GPUS key
     tp: int
     dp_shard: int
     dp_replicate: int
@@ -79,16 +86,17 @@ class Published:
 
 
 TT, TAO = "torchtitan", "torchao"
+TT_GPU = "h100-96gb-500w"
 TT_SRC, TAO_SRC = "benchmarks/llama3_h100_202412_torchtitan.md", "docs/source/workflows/training.md"
 LF, LF_SRC = "llm-foundry", "scripts/train/benchmarking/README.md"
 KF, KF_SRC = "KempnerForge", "benchmarks/weak_scaling_160gpu/README.md"
 NT, NT_SRC = "nanotron", "Llama-1B on 8 H100 (as given in hybridpar's issue 58)"
 ROWS = [
-    Published(TT, TT_SRC, "llama3-8b", "h100", 1, 8, 1, 2, 1, 8192, "selective", False, "hybridpar", 5762, None, 82.4),
-    Published(TT, TT_SRC, "llama3-8b", "h100", 1, 8, 1, 2, 1, 8192, "selective", True, "hybridpar", 6667, None, 77.0),
-    Published(TT, TT_SRC, "llama3-8b", "h100", 1, 128, 1, 2, 1, 8192, "selective", False, "hybridpar", 5605, None,
+    Published(TT, TT_SRC, "llama3-8b", TT_GPU, 1, 8, 1, 2, 1, 8192, "selective", False, "hybridpar", 5762, None, 82.4),
+    Published(TT, TT_SRC, "llama3-8b", TT_GPU, 1, 8, 1, 2, 1, 8192, "selective", True, "hybridpar", 6667, None, 77.0),
+    Published(TT, TT_SRC, "llama3-8b", TT_GPU, 1, 128, 1, 2, 1, 8192, "selective", False, "hybridpar", 5605, None,
               67.0),
-    Published(TT, TT_SRC, "llama3-8b", "h100", 1, 128, 1, 2, 1, 8192, "selective", True, "hybridpar", 6514, None, 62.0),
+    Published(TT, TT_SRC, "llama3-8b", TT_GPU, 1, 128, 1, 2, 1, 8192, "selective", True, "hybridpar", 6514, None, 62.0),
     Published(TAO, TAO_SRC, "llama3-8b", "h100", 1, 8, 1, 1, 1, 8192, "selective", True, "hybridpar", 6150, None,
               47.65, "GB"),
     Published(LF, LF_SRC, "mpt-1b", "h100", 1, 8, 1, 14, 1, 2048, "none", False, "bf16", 45455, None, None),
@@ -122,38 +130,176 @@ def config(row: Published):
         "--parallel.dp_replicate", str(row.dp_replicate), "--parallel.sequence_parallel", str(row.tp > 1).lower()])
 
 
-def planned(row: Published) -> dict:
-    """Today's planner on a row: tokens/s per GPU and hybridpar's memory, with their errors against the row."""
-    cfg = config(row)
-    plan = plan_of(cfg, Layout(row.dp_replicate, row.dp_shard, row.tp))
+# Per framework, what its recipe runs that hybridpar's own does not, as the plan's settings: the share of the blocks'
+# forward matmuls its selective checkpointing recomputes (Plan.recomputed_matmuls), and whether its FSDP schedule is
+# KempnerForge's (every microbatch gathers twice, one reduce-scatter a step: tests/published_runs.py).
+RECOMPUTED_MATMULS = {TT: 0.5, TAO: 0.5}
+NO_SYNC_ACCUMULATION = {KF}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One published step, as the time model sees it: the plan it ran, where, and the measured seconds."""
+    framework: str
+    label: str
+    plan: Plan
+    gpu: str
+    gpus_per_node: int
+    step_s: float
+    fsdp_s: float | None = None  # the recipe's FSDP link seconds where its schedule is not hybridpar's
+
+    def terms(self) -> dict:
+        """The step's terms (hybridpar.planning.cost.step_time) and, for the fit, the fitted constants' features:
+        the matmuls' seconds at the peak over the token curve, FSDP's link seconds, one eager HBM pass, and the rest
+        (attention, TP collectives, optimizer, selective recomputation, per-microbatch overhead)."""
+        s = step_time(self.plan, GPUS[self.gpu], self.gpus_per_node)
+        fsdp = s["fsdp_comm_s"] if self.fsdp_s is None else self.fsdp_s
+        attention = s["attention_at_peak_s"] / cost.ATTENTION_EFFICIENCY
+        rest = s["step_time_s"] - s["compute_s"] - s["eager_s"] - s["fsdp_exposed_s"]
+        return {"step": s, "gemm": s["gemm_at_peak_s"] / token_curve(self.plan.tokens), "fsdp": fsdp,
+                "eager": s["eager_traffic_s"], "attention": attention, "rest": rest,
+                "width": self.plan.m.d_model / self.plan.layout.tp}
+
+    def planned(self) -> float:
+        """The planned step: cost.step_time with the recipe's FSDP schedule."""
+        t = self.terms()
+        s = t["step"]
+        if self.fsdp_s is None:
+            return s["step_time_s"]
+        return s["step_time_s"] - s["fsdp_exposed_s"] + cost.exposed_fsdp(self.fsdp_s, s["compute_s"])
+
+
+def _kf_sweep() -> list[Measurement]:
+    out = []
+    for r in pr.ROWS:
+        cfg = pr.config(r)
+        out.append(Measurement(KF, f"mfu sweep row {r.n}: {r.model} tp {r.tp} x fsdp {r.dp_shard}, {r.micro} x "
+                               f"{r.accumulation}", plan_of(cfg, Layout(1, r.dp_shard, r.tp)), "h200",
+                               pr.GPUS_PER_NODE, r.step_s, pr.published_fsdp_seconds(cfg, r)))
+    cfg = load_config(pr.REFERENCE_1_3B[0])
+    out.append(Measurement("hybridpar", "gpt3-1.3b one H200, 8 x 2048", plan_of(cfg, Layout(1, 1, 1)), "h200", 4,
+                           pr.REFERENCE_1_3B[1]))
+    return out
+
+
+def measurement(row: Published) -> Measurement:
+    """A row of ROWS as the time model sees it."""
+    cfg, layout = config(row), Layout(row.dp_replicate, row.dp_shard, row.tp)
+    plan = replace(plan_of(cfg, layout), recomputed_matmuls=RECOMPUTED_MATMULS.get(row.framework, 0.0))
     per_node = 4 if row.gpu == "h200" else 8  # (KempnerForge's nodes hold 4 H200; the others' 8)
-    s = step_time(plan, GPUS[row.gpu], per_node)
-    tps = s["tokens_per_sec"] / row.gpus
-    gib = memory(plan)["total_bytes_per_gpu"] / GIB
+    fsdp = (pr.recipe_fsdp_seconds(cfg, layout, row.accumulation, row.gpu, per_node)
+            if row.framework in NO_SYNC_ACCUMULATION else None)
+    step = row.micro * row.accumulation * row.dp_shard * row.dp_replicate * row.seq / (
+        row.measured_tokens_per_gpu_s * row.gpus)
+    label = (f"{row.model} {row.gpus} GPUs (tp {row.tp} x fsdp {row.dp_shard}), {row.micro} x {row.accumulation} x "
+             f"{row.seq}, AC {row.ac}, {'compiled' if row.compile else 'eager'}")
+    return Measurement(row.framework, label, plan, row.gpu, per_node, step, fsdp)
+
+
+def measurements() -> list[Measurement]:
+    """Every published step the time model is fitted to and checked on (the nanotron rows give no accumulation)."""
+    return _kf_sweep() + [measurement(r) for r in ROWS if r.accumulation is not None]
+
+
+# cuBLASLt square GEMMs (m = n = k) on an H100 SXM, TFLOPS (samuel-bohman/AI-benchmarking-guide,
+# Azure_Results/ND_H100_v5_results.md; float8 inputs, the only dtype it sweeps): the widths training GEMMs have, and
+# the plateau (32,768) they approach
+GEMM_SWEEP = {2048: 1011.3, 4096: 1216.9, 8192: 1290.1}
+GEMM_PLATEAU = 1382.2
+
+
+def half_width() -> int:
+    """GEMM_HALF_WIDTH: the h of width / (width + h) closest (least squares) to GEMM_SWEEP's rates over the
+    plateau's, on a grid of whole numbers."""
+    w = np.array(list(GEMM_SWEEP), dtype=float)
+    r = np.array(list(GEMM_SWEEP.values())) / GEMM_PLATEAU
+    return min(range(0, 4097), key=lambda h: float(np.sum(np.square(w / (w + h) - r))))
+
+
+def _features(ms: list[Measurement]) -> dict[str, np.ndarray]:
+    ts = [m.terms() for m in ms]
+    out = {k: np.array([t[k] for t in ts], dtype=float) for k in ("gemm", "fsdp", "eager", "attention", "rest",
+                                                                    "width")}
+    out["gemm"] *= (out["width"] + cost.GEMM_HALF_WIDTH) / out["width"]  # the matmuls' seconds at GEMM_EFFICIENCY 1
+    out["y"] = np.array([m.step_s for m in ms])
+    return out
+
+
+def _solve(f: dict, keep: np.ndarray) -> np.ndarray:
+    """(1 / GEMM_EFFICIENCY, FSDP_EXPOSED_SHARE, EAGER_HBM_PASSES) by least squares on relative errors over the
+    measurements in keep."""
+    x = np.stack([f["gemm"], f["fsdp"], f["eager"]], axis=1)
+    y, fixed = f["y"], f["attention"] + f["rest"]
+    coef, *_ = np.linalg.lstsq(x[keep] / y[keep, None], (y[keep] - fixed[keep]) / y[keep], rcond=None)
+    return coef
+
+
+def _predict(f: dict, coef: np.ndarray) -> np.ndarray:
+    """Planned steps with these constants, as cost.step_time composes them (exposed FSDP: the share, or all of it
+    that exceeds compute)."""
+    compute = coef[0] * f["gemm"] + f["attention"]
+    return compute + np.maximum(coef[1] * f["fsdp"], f["fsdp"] - compute) + coef[2] * f["eager"] + f["rest"]
+
+
+def fit() -> dict:
+    """The time model's three fitted constants: the step is linear in (1 / GEMM_EFFICIENCY, FSDP_EXPOSED_SHARE,
+    EAGER_HBM_PASSES), which least squares on relative errors gives from every measurement (GEMM_HALF_WIDTH and
+    ATTENTION_EFFICIENCY are published figures, not fitted). Out of sample: each framework's steps planned with the
+    three fitted to the other frameworks alone. Returns the constants and, per measurement, both errors."""
+    ms = measurements()
+    f, groups = _features(ms), np.array([m.framework for m in ms])
+    coef = _solve(f, np.ones(len(ms), bool))
+    out_of_sample = np.zeros(len(ms))
+    for g in set(groups):
+        held = groups == g
+        out_of_sample[held] = (_predict(f, _solve(f, ~held)) / f["y"] - 1)[held]
+    return {"GEMM_EFFICIENCY": 1 / coef[0], "FSDP_EXPOSED_SHARE": coef[1], "EAGER_HBM_PASSES": coef[2],
+            "measurements": ms, "in_sample": _predict(f, coef) / f["y"] - 1, "out_of_sample": out_of_sample}
+
+
+def memory_row(row: Published) -> dict:
+    """hybridpar's planned memory on a row, against the published figure where the recipe is hybridpar's."""
+    gib = memory(measurement(row).plan)["total_bytes_per_gpu"] / GIB
     measured = row.memory * UNITS[row.unit] if row.memory is not None else None
-    return {"tokens_per_gpu_s": tps, "speed_error": tps / row.measured_tokens_per_gpu_s - 1, "memory_gib": gib,
-            "measured_gib": measured,
+    return {"memory_gib": gib, "measured_gib": measured,
             "memory_error": gib / measured - 1 if measured is not None and row.recipe == "hybridpar" else None}
 
 
-def table() -> str:
-    lines = ["| framework | model | GPUs (tp x dp_shard x dp_replicate) | micro x accum, seq | AC, compile | tokens/s "
-             "per GPU: measured / planned | memory GiB: measured / planned (hybridpar's recipe) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+def table(f: dict | None = None) -> str:
+    """docs/planning.md's table (tests/test_plan.py keeps it equal to this): per published step, measured and planned
+    (the constants in cost.py, fitted to every framework), and planned from the other frameworks alone."""
+    f = f or fit()
+    lines = ["| framework | run | step: measured / planned | in sample | out of sample |",
+             "| --- | --- | --- | --- | --- |"]
+    for m, e_in, e_out in zip(f["measurements"], f["in_sample"], f["out_of_sample"]):
+        lines.append(f"| {m.framework} | {m.label} | {m.step_s:.2f} s / {m.planned():.2f} s | {e_in:+.0%} | "
+                     f"{e_out:+.0%} |")
     for r in ROWS:
         if r.accumulation is None:
-            lines.append(f"| {r.framework} | {r.model} | {r.gpus} ({r.tp} x {r.dp_shard} x {r.dp_replicate}) | "
-                         f"{r.micro} x ?, {r.seq} | - | not planned: the row gives no gradient accumulation | - |")
+            lines.append(f"| {r.framework} | {r.model} {r.gpus} GPUs (tp {r.tp} x dp {r.dp_replicate}), micro "
+                         f"{r.micro} | not planned: the row gives no gradient accumulation | | |")
+    return "\n".join(lines)
+
+
+def memory_table() -> str:
+    lines = ["| framework | run | memory GiB: measured / planned (hybridpar's recipe) |", "| --- | --- | --- |"]
+    for r in ROWS:
+        if r.accumulation is None or r.recipe != "hybridpar":
             continue
-        p = planned(r)
-        mem = "-" if p["measured_gib"] is None else f"{p['measured_gib']:.1f}"
-        err = f" ({p['memory_error']:+.0%})" if p["memory_error"] is not None else " (recipe differs)"
-        lines.append(f"| {r.framework} | {r.model} | {r.gpus} ({r.tp} x {r.dp_shard} x {r.dp_replicate}) | {r.micro} x "
-                     f"{r.accumulation}, {r.seq} | {r.ac}, {'compiled' if r.compile else 'eager'} | "
-                     f"{r.measured_tokens_per_gpu_s:,.0f} / {p['tokens_per_gpu_s']:,.0f} ({p['speed_error']:+.0%}) | "
-                     f"{mem} / {p['memory_gib']:.1f}{err} |")
+        p = memory_row(r)
+        lines.append(f"| {r.framework} | {measurement(r).label} | {p['measured_gib']:.1f} / {p['memory_gib']:.1f} "
+                     f"({p['memory_error']:+.0%}) |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(table())
+    f = fit()
+    print(table(f))
+    print()
+    print(memory_table())
+    rms = {k: float(np.sqrt(np.mean(np.square(f[k])))) for k in ("in_sample", "out_of_sample")}
+    print(f"\nGEMM_HALF_WIDTH {half_width()} (GEMM_SWEEP); fit: " + ", ".join(
+        f"{k} {f[k]:.3f}" for k in ("GEMM_EFFICIENCY", "FSDP_EXPOSED_SHARE", "EAGER_HBM_PASSES")))
+    print(f"in sample: {f['in_sample'].min():+.0%} to {f['in_sample'].max():+.0%} (RMS {rms['in_sample']:.1%}); "
+          f"out of sample: {f['out_of_sample'].min():+.0%} to {f['out_of_sample'].max():+.0%} (RMS "
+          f"{rms['out_of_sample']:.1%})")

@@ -1,6 +1,6 @@
-"""Published measurements the planner is held against, each planned with the recipe it was run with: the data and
-the fit of the time model's constants (hybridpar/planning/cost.py keeps the fitted values; tests/test_plan.py checks
-they equal this fit). `python tests/published_runs.py` prints the table and the fit of docs/planning.md.
+"""KempnerForge's published H200 sweep, each row planned with the recipe it was run with (the time model's fit over
+this and other frameworks' runs is tests/published_frameworks.py's). `python tests/published_runs.py` prints the
+table of docs/planning.md.
 
 KempnerForge's H200 sweep (KempnerInstitute/KempnerForge, benchmarks/mfu_scaling/mfu_scaling.md, dated 2026-04-05):
 Llama-3-shaped models (vocab 128,256 untied, GQA with 8 key/value heads, SwiGLU, RMSNorm, RoPE), sequence 4096,
@@ -28,12 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from hybridpar.config import Config
 from hybridpar.config.cli import load_config
-from hybridpar.planning.cost import (GIB, GPUS, _ring, all_gather_bytes, exposed_fsdp, memory, plan_of,
-                                     step_time, token_curve)
+from hybridpar.planning.cost import GIB, GPUS, _ring, all_gather_bytes, exposed_fsdp, memory, plan_of, step_time
 from hybridpar.parallel.distributed import Layout
 from hybridpar.planning.shapes import local_param_count
 
@@ -116,18 +113,24 @@ def published_memory(cfg: Config, row: Row) -> dict[str, int]:
             "unsharded_gradients": unsharded_grads}
 
 
-def published_fsdp_seconds(cfg: Config, row: Row) -> float:
-    """FSDP's link time in a published row's step, its schedule as the module's docstring says: every microbatch
-    all-gathers the TP-local bf16 parameters (the replicated embedding whole) in forward and in backward, the step
-    reduce-scatters their fp32 gradients once; over NVLink inside a node, else the inter-node link."""
-    if row.dp_shard == 1:
+def recipe_fsdp_seconds(cfg: Config, layout: Layout, accumulation: int, gpu: str = "h200",
+                        gpus_per_node: int = GPUS_PER_NODE) -> float:
+    """FSDP's link time in a step of KempnerForge's recipe, its schedule as the module's docstring says: every
+    microbatch all-gathers the TP-local bf16 parameters (the replicated embedding whole) in forward and in backward,
+    the step reduce-scatters their fp32 gradients once; over NVLink inside a node, else the inter-node link."""
+    if layout.dp_shard == 1:
         return 0.0
-    m, gpu = cfg.model, GPUS["h200"]
-    replicated = m.vocab_size * m.d_model * (row.tp - 1) // row.tp
-    gathered = all_gather_bytes(plan_of(cfg, Layout(1, row.dp_shard, row.tp))) + 2 * replicated
-    params = local_param_count(m, Layout(1, 1, row.tp))[0] + replicated
-    bw = gpu.nvlink_gbps if row.gpus <= GPUS_PER_NODE else gpu.internode_gbps
-    return _ring(2 * row.accumulation * gathered, row.dp_shard, bw) + _ring(4 * params, row.dp_shard, bw)
+    m, link = cfg.model, GPUS[gpu]
+    replicated = m.vocab_size * m.d_model * (layout.tp - 1) // layout.tp
+    gathered = all_gather_bytes(plan_of(cfg, layout)) + 2 * replicated
+    params = local_param_count(m, Layout(1, 1, layout.tp))[0] + replicated
+    bw = link.nvlink_gbps if layout.world <= gpus_per_node else link.internode_gbps
+    return _ring(2 * accumulation * gathered, layout.dp_shard, bw) + _ring(4 * params, layout.dp_shard, bw)
+
+
+def published_fsdp_seconds(cfg: Config, row: Row) -> float:
+    """recipe_fsdp_seconds of a row of the sweep."""
+    return recipe_fsdp_seconds(cfg, Layout(1, row.dp_shard, row.tp), row.accumulation)
 
 
 def published_step(cfg: Config, row: Row) -> float:
@@ -141,50 +144,6 @@ def published_step(cfg: Config, row: Row) -> float:
 REFERENCE_1_3B = (["--model.name", "gpt3-1.3b", "--model.vocab_size", "50304", "--train.seq_len", "2048",
                    "--train.global_batch_size", "8", "--train.micro_batch_size", "8", "--train.precision", "bf16",
                    "--train.compile", "true"], 8 * 2048 / 60.9e3)
-
-
-def _features() -> tuple[np.ndarray, ...]:
-    """Per measurement: (compute at the peak / token curve, whether TP, FSDP link seconds, the rest of the plan's
-    step, d_model) and the measured step; the published rows, then the 1.3B reference."""
-    cases = [(config(r), Layout(1, r.dp_shard, r.tp), r) for r in ROWS]
-    cases.append((load_config(REFERENCE_1_3B[0]), Layout(1, 1, 1), None))
-    work, tp, fsdp, rest, width, measured = [], [], [], [], [], []
-    for cfg, layout, row in cases:
-        s = step_time(plan_of(cfg, layout), GPUS["h200"], GPUS_PER_NODE)
-        t = cfg.train
-        work.append(s["compute_at_peak_s"] / token_curve((t.micro_batch_size or t.global_batch_size) * t.seq_len))
-        tp.append(layout.tp > 1)
-        fsdp.append(published_fsdp_seconds(cfg, row) if row else 0.0)
-        rest.append(s["step_time_s"] - s["compute_s"] - s["fsdp_exposed_s"])
-        width.append(cfg.model.d_model)
-        measured.append(row.step_s if row else REFERENCE_1_3B[1])
-    return tuple(np.array(a, dtype=float) for a in (work, tp, fsdp, rest, width, measured))
-
-
-def fit() -> dict:
-    """The time model's four constants from the measurements above, by this method: for each GEMM_HALF_WIDTH h on a
-    grid (0 to 4096 by 128), step = work x (d + h) / d x (1 + p [tp > 1]) / E + share x fsdp + rest is linear in
-    (1 / E, p / E, share); those three come from least squares on relative errors, and h is the grid point whose
-    leave-one-out relative errors are smallest (root mean square). Returns the constants and the fit's errors."""
-    work, tp, fsdp, rest, width, y = _features()
-
-    def solve(h, keep):
-        w = work * (width + h) / width
-        x = np.stack([w, w * tp, fsdp], axis=1)[keep] / y[keep, None]
-        coef, *_ = np.linalg.lstsq(x, (y[keep] - rest[keep]) / y[keep], rcond=None)
-        return coef, np.stack([w, w * tp, fsdp], axis=1) @ coef + rest
-
-    def loo(h):
-        errors = []
-        for i in range(len(y)):
-            keep = np.arange(len(y)) != i
-            errors.append(solve(h, keep)[1][i] / y[i] - 1)
-        return float(np.sqrt(np.mean(np.square(errors))))
-
-    h = min(range(0, 4097, 128), key=loo)
-    (inv_e, p_e, share), planned = solve(h, np.ones(len(y), bool))
-    return {"GEMM_EFFICIENCY": 1 / inv_e, "GEMM_HALF_WIDTH": h, "TP_COMPUTE_PENALTY": p_e / inv_e,
-            "FSDP_EXPOSED_SHARE": share, "loo_rms": loo(h), "errors": planned / y - 1}
 
 
 def compare() -> list[dict]:
@@ -218,5 +177,3 @@ def table() -> str:
 
 if __name__ == "__main__":
     print(table())
-    f = fit()
-    print("fit:", ", ".join(f"{k} {v:.3f}" for k, v in f.items() if k != "errors"))

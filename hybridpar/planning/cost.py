@@ -50,20 +50,32 @@ GPUS: dict[str, GPU] = {
     "a100": GPU(memory_gib=79.2, peak_tflops=312.0, hbm_gbps=2039.0, nvlink_gbps=300.0, internode_gbps=25.0),
     "h100": GPU(memory_gib=79.1, peak_tflops=989.4, hbm_gbps=3350.0, nvlink_gbps=450.0, internode_gbps=50.0,
                 peak_fp8_tflops=1978.9),
+    # torchtitan's benchmark machine (its benchmarks/llama3_h100_202412_torchtitan.md): an SXM H100 with 96 GB of
+    # HBM2e at 2.4 TB/s and the default 500 W power limit, whose peak "is between SXM and NVL" (989.4 and 835.5
+    # dense bf16 TFLOPS on their datasheets): planned at their mean
+    "h100-96gb-500w": GPU(memory_gib=89.4, peak_tflops=912.5, hbm_gbps=2400.0, nvlink_gbps=450.0,
+                          internode_gbps=50.0, peak_fp8_tflops=1825.0),
     "h200": GPU(memory_gib=139.8, peak_tflops=989.4, hbm_gbps=4800.0, nvlink_gbps=450.0, internode_gbps=50.0,
                 peak_fp8_tflops=1978.9),
     "b200": GPU(memory_gib=178.4, peak_tflops=2250.0, hbm_gbps=8000.0, nvlink_gbps=900.0, internode_gbps=50.0,
                 peak_fp8_tflops=4500.0),
 }
 
-# Efficiency constants of the step-time estimate, fitted to published measurements (tests/published_runs.py: fit(),
-# the method in docs/planning.md; tests/test_plan.py checks these equal the fit): 14 rows of an FSDP2 + TP
-# sweep on H200s and a plain 1.3B step on one H200.
-GEMM_EFFICIENCY = 0.753   # model FLOPs / peak of a compiled dense step of a very wide model at large micro-batches
-GEMM_HALF_WIDTH = 768     # d_model at which that rate halves: wider layers run closer to it (width / (width + this))
-TP_COMPUTE_PENALTY = 0.352  # a tensor-parallel step computes this much longer than its FLOPs say (smaller GEMMs per
-#                            rank, the norms and casts between them; its collectives are counted apart)
-FSDP_EXPOSED_SHARE = 0.456  # share of FSDP's all-gathers and reduce-scatters that compute does not hide
+# The step-time model's constants, each with one physical cause. Three are fitted to published runs of five
+# frameworks (tests/published_frameworks.py: fit(); the method, the leave-one-framework-out check and the table in
+# docs/planning.md; tests/test_plan.py holds these equal to the fit):
+GEMM_EFFICIENCY = 0.737    # model FLOPs / peak of a matrix multiply that is wide per rank and tall in tokens
+FSDP_EXPOSED_SHARE = 0.360  # share of FSDP's all-gathers and reduce-scatters that compute does not hide
+EAGER_HBM_PASSES = 12.24   # without torch.compile: times a block's saved activations travel through HBM again per
+#                            microbatch (its unfused norms, RoPE, activation, residual adds and casts, each a kernel)
+# Two are published figures, not fitted. A GEMM's rate against its width: cuBLASLt's square GEMMs on an H100 SXM run
+# at width / (width + 681) of their plateau at widths 2,048-8,192 (least squares; samuel-bohman/AI-benchmarking-guide,
+# Azure_Results/ND_H100_v5_results.md, float8, the dtype it sweeps). A rank's width is d_model / tp, so tensor
+# parallelism costs compute through the narrower GEMMs each rank runs, not through a constant factor.
+GEMM_HALF_WIDTH = 681
+# FlashAttention-2 forward + backward (head dim 128, batch 2, sequence 8192) reaches 327.9 TFLOPS on an H100 SXM
+# (989.4 peak; the same benchmark): the attention FLOPs' share of the peak on every GPU type
+ATTENTION_EFFICIENCY = 327.9 / 989.4
 GEMM_FULL_RATE_TOKENS = 16384  # GEMM rows (micro-batch tokens) at which gemm_efficiency's token curve is 1
 # Per-microbatch costs, which make many small microbatches slower than few large ones (docs/planning.md says how
 # these were chosen; none is measured on a GPU yet):
@@ -72,9 +84,10 @@ KERNELS_PER_BLOCK = {"gpt2": 50, "modern": 111}  # forward + backward ops of one
 LAUNCH_S = 5e-6           # host time per kernel launch, exposed when kernels are short (CUDA launch latency, ~5 us)
 FSDP_HOOKS_S = 100e-6     # FSDP2's pre/post forward and backward hooks of one block, per microbatch (host time)
 LINK_EFFICIENCY = 0.80    # achieved bus bandwidth / link bandwidth of NCCL ring collectives at large message sizes
-# How far the planned tokens/s is from runs it was not fitted to (other frameworks' published runs: the lowest and the
-# highest error of tests/published_frameworks.py's table, docs/planning.md; tests/test_plan.py keeps them equal)
-OUT_OF_SAMPLE_SPEED_ERROR = (-0.17, 0.92)
+# How far the planned step is from published runs of frameworks it was not fitted to: each framework's steps planned
+# with the fitted constants from the other four alone (lowest, highest, root mean square relative error;
+# tests/published_frameworks.py prints the table, docs/planning.md; tests/test_plan.py keeps these equal)
+OUT_OF_SAMPLE_STEP_ERROR = (-0.34, 0.29, 0.16)
 RESERVED_GIB = 3.0        # CUDA context, NCCL buffers and allocator fragmentation kept out of the usable memory
 RUNTIME_RESERVE_GIB = 2.0  # of a GPU's free memory at start (the context already out): NCCL buffers and allocator
 #                            fragmentation; not yet measured on a GPU (benchmarks/h200_check.sh reports reserved -
@@ -115,6 +128,9 @@ class Plan:
     fp8_all_gather: bool = False
     optimizer: str = "adamw"
     state_bytes: int = 4       # per element of each AdamW moment (optim.state_dtype)
+    # share of the blocks' forward matmuls that selective checkpointing recomputes: hybridpar's policy recomputes
+    # none; a study of another framework's policy sets it (a per-op policy that saves every second matmul: 0.5)
+    recomputed_matmuls: float = 0.0
 
     tokens = property(lambda self: self.micro * self.seq_len)  # of one microbatch
     a = property(lambda self: 2 if self.precision == "bf16" else 4)  # bytes per element of the compute dtype
@@ -339,10 +355,11 @@ def exposed_fsdp(comm: float, compute: float) -> float:
     return max(FSDP_EXPOSED_SHARE * comm, comm - compute)
 
 
-def gemm_efficiency(tokens: int, d_model: int) -> float:
-    """Model FLOPs / peak for GEMMs of `tokens` rows in layers `d_model` wide: GEMM_EFFICIENCY x width / (width +
-    GEMM_HALF_WIDTH) x token_curve(tokens)."""
-    return GEMM_EFFICIENCY * d_model / (d_model + GEMM_HALF_WIDTH) * token_curve(tokens)
+def gemm_efficiency(tokens: int, width: float) -> float:
+    """Model FLOPs / peak for GEMMs of `tokens` rows in layers `width` wide on one rank (d_model / tp: a TP rank's
+    column-parallel GEMMs have 1/tp of the output columns, its row-parallel ones 1/tp of the inner dimension):
+    GEMM_EFFICIENCY x width / (width + GEMM_HALF_WIDTH) x token_curve(tokens)."""
+    return GEMM_EFFICIENCY * width / (width + GEMM_HALF_WIDTH) * token_curve(tokens)
 
 
 def all_gather_bytes(plan: Plan) -> int:
@@ -369,24 +386,41 @@ def _checkpointed_blocks(plan: Plan) -> int:
 
 
 def compute_time(plan: Plan, gpu: GPU) -> dict:
-    """Model FLOPs, plus the recomputed forward of each fully checkpointed block up to its down projection
-    (selective checkpointing recomputes no matmul), at gemm_efficiency(micro-batch tokens, d_model) of the peak;
-    with tp > 1, TP_COMPUTE_PENALTY longer (compute_at_peak_s: the same FLOPs at the peak). Under train.fp8 the
+    """Model FLOPs, plus the recomputed forward of each fully checkpointed block up to its down projection (and,
+    under selective checkpointing, plan.recomputed_matmuls of the blocks' forward matmuls): the matmuls at
+    gemm_efficiency(micro-batch tokens, d_model / tp) of the peak, the attention scores and sums at
+    ATTENTION_EFFICIENCY (gemm_at_peak_s, attention_at_peak_s: their seconds at the peak). Under train.fp8 the
     converted linears' FLOPs (the blocks', and the LM head's with fp8_linears=all) run at the float8 peak, the rest
     at bf16's (the casts and scales are not counted: an upper bound until measured on a GPU)."""
     m, parts, layout = plan.m, plan.flops, plan.layout
-    fpt = sum(parts.values())
+    ckpt = _checkpointed_blocks(plan)
     # a fully checkpointed block recomputes its forward up to the down projection's input: recomputation stops once
     # backward has what it needs (measured with FlopCounterMode: tests/test_activation_checkpointing.py)
-    block_forward = (parts["blocks"] + parts["attention"]) / m.n_layers / 3
-    recompute = 1 + _checkpointed_blocks(plan) * (block_forward - 2 * m.d_model * m.ffn_dim) / fpt
+    block_mm = parts["blocks"] / m.n_layers / 3  # one block's forward matmuls, per token
+    blocks = parts["blocks"] + ckpt * (block_mm - 2 * m.d_model * m.ffn_dim)
+    if plan.ac == "selective":
+        blocks += plan.recomputed_matmuls * parts["blocks"] / 3
+    attention = parts["attention"] * (1 + ckpt / m.n_layers / 3)
     fp8 = plan.fp8 != "off" and gpu.peak_fp8_tflops > 0
-    fp8_share = (parts["blocks"] + (parts["head"] if plan.fp8_linears == "all" else 0)) / fpt if fp8 else 0.0
-    per_flop = (1 - fp8_share) / gpu.peak_tflops + fp8_share / (gpu.peak_fp8_tflops if fp8 else 1.0)
-    tokens_rank = plan.global_batch * plan.seq_len / layout.dp  # tokens of this rank's TP group per step
-    work = fpt * tokens_rank / layout.tp * recompute * per_flop / 1e12  # seconds at the peak
-    penalty = 1 + TP_COMPUTE_PENALTY if layout.tp > 1 else 1
-    return {"compute_s": work / gemm_efficiency(plan.tokens, m.d_model) * penalty, "compute_at_peak_s": work}
+    fp8_mm = (blocks + (parts["head"] if plan.fp8_linears == "all" else 0)) if fp8 else 0
+    tokens = plan.global_batch * plan.seq_len / layout.dp / layout.tp / 1e12  # of this rank's TP group, per step
+    gemm = ((blocks + parts["head"] - fp8_mm) / gpu.peak_tflops + fp8_mm / (gpu.peak_fp8_tflops or 1.0)) * tokens
+    attn = attention / gpu.peak_tflops * tokens
+    rate = gemm_efficiency(plan.tokens, m.d_model / layout.tp)
+    return {"compute_s": gemm / rate + attn / ATTENTION_EFFICIENCY, "compute_at_peak_s": gemm + attn,
+            "gemm_at_peak_s": gemm, "attention_at_peak_s": attn}
+
+
+def eager_time(plan: Plan, gpu: GPU) -> dict:
+    """Without torch.compile, every elementwise op of a block (norms, RoPE, the activation, residual adds, casts) is
+    its own kernel that reads and writes its tensors in HBM: EAGER_HBM_PASSES times the bytes the block keeps for
+    backward (_layer_bytes), per block and microbatch (eager_traffic_s: one pass)."""
+    if plan.compile:
+        return {"eager_s": 0.0, "eager_traffic_s": 0.0}
+    tp = plan.layout.tp
+    s, r = (tp if plan.sp and tp > 1 else 1), (4 if (plan.precision == "fp32" or plan.autocast) else 2)
+    one = plan.n_micro * plan.m.n_layers * _layer_bytes(plan, s, r) * plan.tokens / (gpu.hbm_gbps * 1e9)
+    return {"eager_s": EAGER_HBM_PASSES * one, "eager_traffic_s": one}
 
 
 def tp_time(plan: Plan, gpu: GPU) -> float:
@@ -475,7 +509,7 @@ def overhead_time(plan: Plan) -> float:
     return plan.n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if plan.fsdp else 0.0))
 
 
-STEP_TERMS = ("compute_s", "selective_recompute_s", "tp_comm_s", "fsdp_exposed_s", "optimizer_s", "muon_ns_s",
+STEP_TERMS = ("compute_s", "eager_s", "selective_recompute_s", "tp_comm_s", "fsdp_exposed_s", "optimizer_s", "muon_ns_s",
               "muon_comm_s", "per_microbatch_overhead_s")
 
 
@@ -483,7 +517,7 @@ def step_time(plan: Plan, gpu: GPU, gpus_per_node: int) -> dict:
     """Estimated seconds of one optimizer step of plan's rank, by term (STEP_TERMS; each function's docstring says
     what it counts), with the rates they give. Rank 0's plan times the step: its shards (ceil-sized first) and its
     Muon share are the largest."""
-    out = compute_time(plan, gpu)
+    out = {**compute_time(plan, gpu), **eager_time(plan, gpu)}
     out.update(fsdp_time(plan, gpu, gpus_per_node, out["compute_s"]), **optimizer_time(plan, gpu, gpus_per_node),
                selective_recompute_s=selective_recompute_time(plan, gpu), tp_comm_s=tp_time(plan, gpu),
                per_microbatch_overhead_s=overhead_time(plan))
