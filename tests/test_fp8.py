@@ -162,8 +162,11 @@ def test_the_planner_counts_float8_all_gathers_and_both_peaks():
     assert all_gather_bytes(plan_of(replace(cfg, train=replace(cfg.train, fp8="rowwise")), layout)) == 2 * total
     est, est8 = step_time(plan_of(cfg, layout), GPUS["h100"], 8), step_time(plan_of(fp8, layout), GPUS["h100"], 8)
     parts = flops_parts(cfg.model, 2048)
-    share = parts["blocks"] / sum(parts.values())
-    assert est8["compute_s"] == pytest.approx(est["compute_s"] * ((1 - share) + share * 989.4 / 1978.9), rel=1e-12)
+    share = parts["blocks"] / (parts["blocks"] + parts["head"])  # of the matmuls (attention stays in bf16)
+    assert est8["gemm_at_peak_s"] == pytest.approx(est["gemm_at_peak_s"] * ((1 - share) + share * 989.4 / 1978.9),
+                                                   rel=1e-12)
+    attention = parts["attention"] * 512 * 2048 / 16 / 989.4e12
+    assert est8["attention_at_peak_s"] == est["attention_at_peak_s"] == pytest.approx(attention, rel=1e-12)
     assert est8["mfu_fp8"] == pytest.approx(est8["mfu"] * 989.4 / 1978.9, rel=1e-12) and est["mfu_fp8"] is None
     assert est8["all_gather_bytes"] == all_gather_bytes(plan_of(fp8, layout))
     with pytest.raises(ConfigError, match="^train.fp8=tensorwise needs float8 tensor cores, and the planned GPU has none"):
