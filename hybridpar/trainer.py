@@ -66,7 +66,7 @@ class Trainer:
         # with values keyed by global position, so the initial model is bitwise the same for every layout.
         self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
         ns_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
-        self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype)
+        self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype, cfg.train.seed)
         self.numerics = StepNumerics.of(cfg, self.model, mesh["tp"].size(), device)
         self.reduction = build_reduction(cfg, self.model, mesh, dp_size)
         self.stop, self.clock = Stop(), Clock()

@@ -11,7 +11,8 @@ torch.cuda.max_memory_allocated in GiB (its kempnerforge/metrics/memory.py divid
 What that recipe holds that hybridpar's does not, read from the same repository's source, so that a published row
 is planned as it ran (published_memory()):
 - weights, gradients and AdamW moments in bf16: the model is cast with model.to(bf16) (kempnerforge/distributed/
-  parallel.py), 8 bytes a parameter; hybridpar keeps fp32 master weights, gradients and moments, 16;
+  parallel.py), 8 bytes a parameter: hybridpar's optim.master_dtype=bf16 and optim.state_dtype=bf16 (config(),
+  lean), where its default keeps fp32 master weights, gradients and moments, 16;
 - under TP the LM head's logits are all-gathered to every rank (ColwiseParallel with a Replicate output) and the
   loss is F.cross_entropy on bf16 logits: bf16 logits, log-softmax and gradient over the whole vocabulary, plus the
   local shard before the gather; hybridpar's loss is vocabulary-parallel (vocab / tp per rank, fp32 softmax);
@@ -86,9 +87,13 @@ ROWS = [
 ]
 
 
-def config(row: Row) -> Config:
-    """hybridpar's config of a published row's model and layout (full checkpointing, bf16, sequence parallel)."""
-    return load_config(MODELS[row.model] + [
+LEAN = ["--optim.master_dtype", "bf16", "--optim.state_dtype", "bf16"]  # the recipe's 8 bytes a parameter
+
+
+def config(row: Row, lean: bool = True) -> Config:
+    """hybridpar's config of a published row's model and layout (full checkpointing, bf16, sequence parallel) with
+    the recipe's bf16 weights, gradients and moments (lean), or hybridpar's fp32 masters and moments."""
+    return load_config(MODELS[row.model] + (LEAN if lean else []) + [
         "--model.vocab_size", str(VOCAB), "--model.max_seq_len", str(SEQ), "--train.seq_len", str(SEQ),
         "--train.precision", "bf16", "--train.micro_batch_size", str(row.micro),
         "--train.global_batch_size", str(row.micro * row.accumulation * row.dp_shard),
@@ -104,7 +109,7 @@ def published_memory(cfg: Config, row: Row) -> dict[str, int]:
     embedding = m.vocab_size * m.d_model
     # replicated across TP ranks, sharded by FSDP: the (tp - 1) / tp of it hybridpar's plan does not hold
     replicated = embedding * (row.tp - 1) // row.tp // row.dp_shard
-    state = (plan["params_bytes_per_gpu"] + plan["grads_bytes_per_gpu"] + plan["optimizer_bytes_per_gpu"]) // 2
+    state = plan["params_bytes_per_gpu"] + plan["grads_bytes_per_gpu"] + plan["optimizer_bytes_per_gpu"]
     logits = tokens * m.vocab_size * 3 * 2 + (tokens * m.vocab_size // row.tp * 2 if row.tp > 1 else 0)
     tp_local = local_param_count(m, Layout(1, 1, row.tp))[0] + embedding * (row.tp - 1) // row.tp
     unsharded_grads = 4 * tp_local if row.dp_shard > 1 and row.accumulation > 1 else 0
@@ -154,7 +159,7 @@ def compare() -> list[dict]:
         cfg, layout = config(row), Layout(1, row.dp_shard, row.tp)
         step = published_step(cfg, row)
         theirs = sum(published_memory(cfg, row).values()) / GIB
-        ours = memory(plan_of(cfg, layout))["total_bytes_per_gpu"] / GIB
+        ours = memory(plan_of(config(row, lean=False), layout))["total_bytes_per_gpu"] / GIB
         out.append({"row": row, "step_s": step, "step_error": step / row.step_s - 1, "memory_gib": theirs,
                     "memory_error": theirs / row.memory_gib - 1, "hybridpar_memory_gib": ours})
     return out

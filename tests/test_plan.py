@@ -47,6 +47,11 @@ DRY_RUNS = [
     ("gpt3-13b", 128, 8, ["--parallel.tp", "8"], 1023),
     ("gpt3-175b", 128, 8, ["--parallel.tp", "8", "--parallel.dp_replicate", "2", "--optim.name", "muon"], 0),
     ("gpt-modern-1b", 1, 8, ["--parallel.tp", "2", "--optim.state_dtype", "bf16"], 3),  # bf16 moments: 4 bytes a param
+    # bf16 master weights and moments (8 bytes a parameter in all), and with Kahan's compensation (10)
+    ("gpt-modern-1b", 2, 8, ["--parallel.tp", "4", "--train.precision", "bf16", "--optim.master_dtype", "bf16",
+                             "--optim.state_dtype", "bf16"], 9),
+    ("gpt3-1.3b", 1, 8, ["--parallel.tp", "4", "--train.precision", "bf16", "--optim.master_dtype", "bf16",
+                         "--optim.state_dtype", "bf16", "--optim.master_rounding", "kahan"], 5),
 ]
 
 
@@ -66,7 +71,11 @@ def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank, capsys
     assert r["dry_run_grads_bytes"] == r["grads_bytes_per_gpu"]
     assert r["dry_run_optimizer_bytes"] == r["optimizer_bytes_per_gpu"]
     assert r["dry_run_matches"] is True
-    if "bf16" in layout:  # two bf16 moments (4 bytes) per 4-byte parameter, and a step per tensor: not fp32's 8
+    if "--optim.master_dtype" in layout:  # 2-byte weights and gradients; 2 x 2-byte moments (+ 2: Kahan's) a weight
+        ratio = 3 if "kahan" in layout else 2
+        assert r["dry_run_grads_bytes"] == r["dry_run_params_bytes"]
+        assert ratio * r["params_bytes_per_gpu"] < r["dry_run_optimizer_bytes"] < 1.01 * ratio * r["params_bytes_per_gpu"]
+    elif "bf16" in layout:  # two bf16 moments (4 bytes) per 4-byte parameter, and a step per tensor: not fp32's 8
         assert r["params_bytes_per_gpu"] < r["dry_run_optimizer_bytes"] < 1.01 * r["params_bytes_per_gpu"]
     if "muon" in layout:  # Muon's one buffer for its matrices; rank 0 of a shard group of 512 owns 2 of the 576:
         # block 0's wq and block 85's wv (12288 x 12288 each, 5 x (4 + 2) x 12288^3 FLOPs)

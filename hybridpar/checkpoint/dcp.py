@@ -257,6 +257,9 @@ class Checkpointer:
             # device), and reading the saved ones (a pickled value per parameter and setting) was most of a small
             # model's resume time.
             groups = optim_sd["param_groups"]
+            for fqn, entry in optim_sd["state"].items():  # bf16 Kahan rounding resumed from a checkpoint without it
+                if "compensation" in entry and f"optim.state.{fqn}.compensation" not in saved:
+                    del entry["compensation"]  # (it starts at zero: the weights are what the checkpoint holds)
             state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         else:
             state = {"model": plain_tensors(get_model_state_dict(model))}

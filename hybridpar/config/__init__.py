@@ -191,6 +191,13 @@ class OptimConfig:
         "fp32", "AdamW's moments: fp32 (8 bytes a parameter), or bf16 (4: rounded to nearest when stored, the update "
         "computed in fp32; the weights stay fp32); auto: fp32, or bf16 when the plan does not fit the device with "
         "fp32 moments (said at start); docs/training.md#low-precision-optimizer-state says what it costs")
+    master_dtype: Literal["fp32", "bf16"] = doc(
+        "fp32", "the weights the optimizer updates (and their gradients): fp32 master weights (4 + 4 bytes a "
+        "parameter), or bf16 (2 + 2; needs train.precision bf16), each update rounded as optim.master_rounding says")
+    master_rounding: Literal["stochastic", "kahan"] = doc(
+        "stochastic", "bf16 master weights: stochastic rounding (unbiased; its random bits a hash of the seed, the "
+        "step and each element's position in the whole tensor, so every layout rounds alike), or kahan (a bf16 "
+        "compensation buffer keeps what rounding dropped: 2 bytes a parameter more, deterministic)")
 
     def __post_init__(self):
         check_choices("optim", self)
@@ -226,6 +233,12 @@ class OptimConfig:
         if low and self.fused:
             raise ValueError(f"optim.state_dtype={self.state_dtype} runs hybridpar's own AdamW for bf16 moments, not "
                              f"torch's fused kernel: drop optim.fused true")
+        if self.master_dtype == "bf16" and self.name != "adamw":
+            raise ValueError(f"optim.master_dtype=bf16 is AdamW's (optim.name={self.name}); use optim.name=adamw or "
+                             f"optim.master_dtype=fp32")
+        if self.master_dtype == "bf16" and self.fused:
+            raise ValueError("optim.master_dtype=bf16 runs hybridpar's own AdamW (its rounding), not torch's fused "
+                             "kernel: drop optim.fused true")
 
 
 @dataclass(frozen=True)
@@ -377,6 +390,13 @@ class Config:
         if t.spike == "rewind" and self.checkpoint.interval == 0:
             raise ValueError("train.spike=rewind goes back to a checkpoint: set --checkpoint.interval N (e.g. 50), or "
                              "use --train.spike warn")
+        if self.optim.master_dtype == "bf16" and t.precision != "bf16":
+            raise ValueError(f"optim.master_dtype=bf16 holds the weights in bf16, which computes in bf16: set "
+                             f"--train.precision bf16 (train.precision={t.precision})")
+        if self.optim.master_dtype == "bf16" and (self.parallel.exact_reduction or t.fp8 != "off"):
+            raise ValueError("optim.master_dtype=bf16 with " + ("parallel.exact_reduction (its integer reduction is "
+                             "of fp32 gradients)" if self.parallel.exact_reduction else f"train.fp8={t.fp8} (not "
+                             "tested with bf16 weights)") + ": use optim.master_dtype=fp32")
         if self.optim.name == "muon" and self.parallel.fsdp_cpu_offload:
             raise ValueError("optim.name=muon with parallel.fsdp_cpu_offload=true: Muon's all-to-alls run where the "
                              "process group does and offloaded matrices stay in host memory; turn one off")

@@ -64,6 +64,9 @@ def build_parallel_model(cfg: Config, mesh: DeviceMesh, device: torch.device, in
     with its time as it ends."""
     t0 = time.perf_counter()
     model = build_model(cfg.model, device="meta")
+    if cfg.optim.master_dtype == "bf16":  # the weights themselves in bf16 (the buffers, RoPE's tables, stay fp32)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
     t1 = time.perf_counter()
     model = parallelize_gpt(model, mesh, cfg)
     t2 = time.perf_counter()

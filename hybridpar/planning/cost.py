@@ -64,9 +64,9 @@ GPUS: dict[str, GPU] = {
 # The step-time model's constants, each with one physical cause. Three are fitted to published runs of five
 # frameworks (tests/published_frameworks.py: fit(); the method, the leave-one-framework-out check and the table in
 # docs/planning.md; tests/test_plan.py holds these equal to the fit):
-GEMM_EFFICIENCY = 0.737    # model FLOPs / peak of a matrix multiply that is wide per rank and tall in tokens
-FSDP_EXPOSED_SHARE = 0.360  # share of FSDP's all-gathers and reduce-scatters that compute does not hide
-EAGER_HBM_PASSES = 12.24   # without torch.compile: times a block's saved activations travel through HBM again per
+GEMM_EFFICIENCY = 0.735    # model FLOPs / peak of a matrix multiply that is wide per rank and tall in tokens
+FSDP_EXPOSED_SHARE = 0.356  # share of FSDP's all-gathers and reduce-scatters that compute does not hide
+EAGER_HBM_PASSES = 12.25   # without torch.compile: times a block's saved activations travel through HBM again per
 #                            microbatch (its unfused norms, RoPE, activation, residual adds and casts, each a kernel)
 # Two are published figures, not fitted. A GEMM's rate against its width: cuBLASLt's square GEMMs on an H100 SXM run
 # at width / (width + 681) of their plateau at widths 2,048-8,192 (least squares; samuel-bohman/AI-benchmarking-guide,
@@ -87,7 +87,7 @@ LINK_EFFICIENCY = 0.80    # achieved bus bandwidth / link bandwidth of NCCL ring
 # How far the planned step is from published runs of frameworks it was not fitted to: each framework's steps planned
 # with the fitted constants from the other four alone (lowest, highest, root mean square relative error;
 # tests/published_frameworks.py prints the table, docs/planning.md; tests/test_plan.py keeps these equal)
-OUT_OF_SAMPLE_STEP_ERROR = (-0.34, 0.29, 0.16)
+OUT_OF_SAMPLE_STEP_ERROR = (-0.34, 0.28, 0.16)
 RESERVED_GIB = 3.0        # CUDA context, NCCL buffers and allocator fragmentation kept out of the usable memory
 RUNTIME_RESERVE_GIB = 2.0  # of a GPU's free memory at start (the context already out): NCCL buffers and allocator
 #                            fragmentation; not yet measured on a GPU (benchmarks/h200_check.sh reports reserved -
@@ -128,6 +128,8 @@ class Plan:
     fp8_all_gather: bool = False
     optimizer: str = "adamw"
     state_bytes: int = 4       # per element of each AdamW moment (optim.state_dtype)
+    master_bytes: int = 4      # per element of the weights and their gradients (optim.master_dtype)
+    kahan: bool = False        # bf16 master weights keep a bf16 compensation buffer (optim.master_rounding=kahan)
     # share of the blocks' forward matmuls that selective checkpointing recomputes: hybridpar's policy recomputes
     # none; a study of another framework's policy sets it (a per-op policy that saves every second matmul: 0.5)
     recomputed_matmuls: float = 0.0
@@ -162,7 +164,8 @@ def plan_of(cfg: Config, layout: Layout, rank: int = 0) -> Plan:
     return Plan(m, layout, sizes, flops, muon, t.seq_len, micro, n_micro, t.global_batch_size, precision, fsdp,
                 unsharded, reshard_after_forward(p), p.fsdp_prefetch, p.fsdp_cpu_offload, p.exact_reduction,
                 p.sequence_parallel, t.activation_checkpointing, t.ac_every, t.compile, t.loss_chunk_tokens,
-                math_attention, t.fp8, t.fp8_linears, t.fp8_all_gather, o.name, 2 if o.state_dtype == "bf16" else 4)
+                math_attention, t.fp8, t.fp8_linears, t.fp8_all_gather, o.name, 2 if o.state_dtype == "bf16" else 4,
+                2 if o.master_dtype == "bf16" else 4, o.master_dtype == "bf16" and o.master_rounding == "kahan")
 
 
 # -- memory --------------------------------------------------------------------------------------------------------
@@ -281,7 +284,7 @@ def accumulation_bytes(plan: Plan) -> int:
     if plan.exact:  # the int64 accumulator beside the (zero) fp32 gradients FSDP keeps
         return (8 + 4) * plan.sizes.params
     if not plan.unsharded:
-        return 4 * plan.sizes.params
+        return plan.master_bytes * plan.sizes.params
     return (plan.a + 4) * plan.sizes.tp_params
 
 
@@ -300,19 +303,22 @@ def fsdp_buffer_bytes(plan: Plan) -> int:
 
 
 def optimizer_bytes(plan: Plan) -> int:
-    """AdamW: two moments per parameter (fp32, or bf16 with optim.state_dtype=bf16) and a 4-byte step per tensor;
-    Muon's matrices: one fp32 buffer."""
+    """AdamW: two moments per parameter (fp32, or bf16 with optim.state_dtype=bf16), a 4-byte step per tensor, and
+    with bf16 master weights under Kahan rounding a bf16 compensation per parameter; Muon's matrices: one fp32
+    buffer."""
     hidden = plan.sizes.hidden if plan.optimizer == "muon" else ()
     muon = sum(held for _, held in hidden)
-    return 4 * muon + 2 * plan.state_bytes * (plan.sizes.params - muon) + 4 * (plan.sizes.tensors - len(hidden))
+    moments = (2 * plan.state_bytes + (2 if plan.kahan else 0)) * (plan.sizes.params - muon)
+    return 4 * muon + moments + 4 * (plan.sizes.tensors - len(hidden))
 
 
 def memory(plan: Plan) -> dict:
-    """Bytes per GPU of one rank, by part. Parameters are kept in fp32 (bf16 is a compute dtype), gradients in
-    fp32 with the parameters' local shapes, AdamW state = two fp32 tensors per parameter + a 4-byte step count.
+    """Bytes per GPU of one rank, by part. Parameters are kept in fp32 (bf16 is a compute dtype) or, with
+    optim.master_dtype=bf16, in bf16; gradients in the same dtype with the parameters' local shapes; the optimizer
+    state as optimizer_bytes counts it.
     Unsharded gradient accumulation adds the whole tensor-parallel-local model's gathered parameters and fp32
     gradients (accumulation_bytes_per_gpu; 0 otherwise; parallel.exact_reduction's int64 accumulator there)."""
-    params, acts, between = 4 * plan.sizes.params, activation_bytes(plan), accumulation_bytes(plan)
+    params, acts, between = plan.master_bytes * plan.sizes.params, activation_bytes(plan), accumulation_bytes(plan)
     out = {
         "params_bytes_per_gpu": params,
         "grads_bytes_per_gpu": params,
@@ -478,13 +484,15 @@ def fsdp_time(plan: Plan, gpu: GPU, gpus_per_node: int, compute: float) -> dict:
 
 
 def optimizer_time(plan: Plan, gpu: GPU, gpus_per_node: int) -> dict:
-    """AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v; 20 with bf16 moments) through HBM,
-    Muon's matrices 20
+    """AdamW streams 28 bytes per local parameter (read p, g, m, v; write p, m, v: 3 x the weights' bytes + 4 x the
+    moments'; 20 with bf16 moments, 14 with bf16 weights too, 4 more for a Kahan compensation) through HBM, Muon's
+    matrices 20
     (read p, g, b; write p, b); Muon's Newton-Schulz FLOPs of this rank's share (rank 0 owns the most matrices) at
     gemm_efficiency of the bf16 peak, and its two all-to-alls over NVLink when the shard group fits in a node; not
     overlapped."""
     layout, d_model = plan.layout, plan.m.d_model
-    optimizer = (12 + 4 * plan.state_bytes) * plan.sizes.params / (gpu.hbm_gbps * 1e9)
+    streamed = 3 * plan.master_bytes + 4 * plan.state_bytes + (4 if plan.kahan else 0)
+    optimizer = streamed * plan.sizes.params / (gpu.hbm_gbps * 1e9)
     if plan.optimizer == "muon":
         optimizer -= 8 * sum(held for _, held in plan.sizes.hidden) / (gpu.hbm_gbps * 1e9)
     ns = plan.muon["muon_ns_flops"] / (gpu.peak_tflops * 1e12 * gemm_efficiency(GEMM_FULL_RATE_TOKENS, d_model))
