@@ -257,9 +257,10 @@ class Checkpointer:
             # device), and reading the saved ones (a pickled value per parameter and setting) was most of a small
             # model's resume time.
             groups = optim_sd["param_groups"]
-            for fqn, entry in optim_sd["state"].items():  # bf16 Kahan rounding resumed from a checkpoint without it
-                if "compensation" in entry and f"optim.state.{fqn}.compensation" not in saved:
-                    del entry["compensation"]  # (it starts at zero: the weights are what the checkpoint holds)
+            optional = getattr(optimizer, "optional_state", ())  # what the optimizer starts afresh when not saved
+            for fqn, entry in optim_sd["state"].items():
+                for key in [k for k in optional if k in entry and f"optim.state.{fqn}.{k}" not in saved]:
+                    del entry[key]
             state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
         else:
             state = {"model": plain_tensors(get_model_state_dict(model))}

@@ -236,6 +236,12 @@ def _outside_bytes(plan: Plan, s: int, r: int) -> int:
     return int(outside)
 
 
+def _shard_and_residual(plan: Plan) -> tuple[int, int]:
+    """(s, r): the sequence-parallel shard count (tp under SP, else 1) and the residual stream's bytes per element."""
+    tp = plan.layout.tp
+    return (tp if plan.sp and tp > 1 else 1), (4 if (plan.precision == "fp32" or plan.autocast) else 2)
+
+
 def activation_bytes(plan: Plan) -> dict[str, int]:
     """Bytes one microbatch keeps for backward on one rank, by part (docs/planning.md writes the terms out).
 
@@ -245,8 +251,7 @@ def activation_bytes(plan: Plan) -> dict[str, int]:
     input, and the bf16 copies of the weights are kept (autocast's cache) until backward, except in fully
     checkpointed blocks, which cast them again when they recompute."""
     tp = plan.layout.tp
-    s = tp if plan.sp and tp > 1 else 1
-    r = 4 if (plan.precision == "fp32" or plan.autocast) else 2
+    s, r = _shard_and_residual(plan)
     layer = _layer_bytes(plan, s, r)
     kept, recompute = _checkpointed(plan, layer, s, r)
     out = {"layers": int(kept * plan.tokens), "outside_layers": _outside_bytes(plan, s, r),
@@ -425,9 +430,7 @@ def eager_time(plan: Plan, gpu: GPU) -> dict:
     backward (_layer_bytes), per block and microbatch (eager_traffic_s: one pass)."""
     if plan.compile:
         return {"eager_s": 0.0, "eager_traffic_s": 0.0}
-    tp = plan.layout.tp
-    s, r = (tp if plan.sp and tp > 1 else 1), (4 if (plan.precision == "fp32" or plan.autocast) else 2)
-    one = plan.n_micro * plan.m.n_layers * _layer_bytes(plan, s, r) * plan.tokens / (gpu.hbm_gbps * 1e9)
+    one = plan.n_micro * plan.m.n_layers * _layer_bytes(plan, *_shard_and_residual(plan)) * plan.tokens / (gpu.hbm_gbps * 1e9)
     return {"eager_s": EAGER_HBM_PASSES * one, "eager_traffic_s": one}
 
 
@@ -519,8 +522,8 @@ def overhead_time(plan: Plan) -> float:
     return plan.n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if plan.fsdp else 0.0))
 
 
-STEP_TERMS = ("compute_s", "eager_s", "selective_recompute_s", "tp_comm_s", "fsdp_exposed_s", "optimizer_s", "muon_ns_s",
-              "muon_comm_s", "per_microbatch_overhead_s")
+STEP_TERMS = ("compute_s", "eager_s", "selective_recompute_s", "tp_comm_s", "fsdp_exposed_s", "optimizer_s",
+              "muon_ns_s", "muon_comm_s", "per_microbatch_overhead_s")
 
 
 def step_time(plan: Plan, gpu: GPU, gpus_per_node: int) -> dict:

@@ -207,6 +207,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     every layout. found_inf (a 0-dim tensor set before step(), as for the fused AdamW): when nonzero the step
     changes nothing, decided on the device (no host read)."""
 
+    # per-parameter state that may be missing from a checkpoint (saved without Kahan rounding): it starts at zero
+    optional_state = ("compensation",)
+
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
                  state_dtype: torch.dtype, rounding: str = "stochastic", seed: int = 0):
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
@@ -249,9 +252,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 weight = w.float() if c_kept is None else w.float() + c_kept.float()
                 new = (weight * (1 - lr * decay)).sub_(m / denom * (lr / (1 - beta1 ** step)))
                 c = None
-                if low and c_kept is not None:
-                    new, c = new.to(torch.bfloat16), new
-                    c = (c - new.float()).to(torch.bfloat16)
+                if low and c_kept is not None:  # Kahan: round to nearest, keep what rounding dropped
+                    rounded = new.to(torch.bfloat16)
+                    new, c = rounded, (new - rounded.float()).to(torch.bfloat16)
                 elif low:
                     new = stochastic_bf16(new, rounding_bits(element_positions(p), self.seed, step, number,
                                                                    p.numel() >= 2 ** 32))
