@@ -42,6 +42,7 @@ from hybridpar.errors import ConfigError, RunDirError
 from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
 from hybridpar.parallel.fp8 import check_fp8
+from hybridpar.parallel.context import check_cp
 from hybridpar.parallel.distributed import (Layout, WorldInfo, gpus_per_node, pick_device, resolve_degrees,
                                             start_process_group, world_from_env)
 from hybridpar.planning.layouts import (check_auto, choose_layout, describe_choice, gpu_by_name, settle_memory,
@@ -213,13 +214,19 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
     if auto:  # chosen at 6; until then a placeholder of the same world
         check_auto(cfg)
     node = world.local_world_size if gpu is not None else gpus_per_node(device, world)
-    dp_replicate, dp_shard, tp = ((1, world.world_size, 1) if auto else
-                                  resolve_degrees(cfg.parallel, world.world_size, world.local_world_size))  # 2
+    cp = cfg.parallel.cp
+    if world.world_size % cp:
+        raise ConfigError(f"parallel.cp={cp} does not divide the world of {world.world_size} processes; pick a cp "
+                          f"that divides it")
+    dp_replicate, dp_shard, tp = ((1, world.world_size, 1) if auto else  # (the data and tensor axes of world / cp)
+                                  resolve_degrees(cfg.parallel, world.world_size // cp,
+                                                  max(1, world.local_world_size // cp)))  # 2
     check_sample_count(cfg)
     check_eval_size(cfg)
     stages = stage_plan(cfg, tp)
+    check_cp(cfg, tp, node, [cfg.train.seq_len, *(stages.seq_lens if stages else ())])
     check_fp8(cfg, device, gpu)  # 3
-    layout = Layout(dp_replicate, dp_shard, tp)
+    layout = Layout(dp_replicate, dp_shard, tp, cp)
     parallel = replace(cfg.parallel, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp)
     train = replace(cfg.train, precision=precision_for(cfg, device), eval_tasks=eval_tasks_for(cfg))
     lock = _lock(run_dir, world.rank) if own_run_dir else None  # 4

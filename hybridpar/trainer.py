@@ -67,8 +67,9 @@ class Trainer:
         self.model = build_parallel_model(cfg, mesh, device, init=init_weights, report=self.say)
         ns_dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32  # Muon's Newton-Schulz
         self.optimizer = build_optimizer(self.model, cfg.optim, ns_dtype, cfg.train.seed)
-        self.numerics = StepNumerics.of(cfg, self.model, mesh["tp"].size(), device)
-        self.reduction = build_reduction(cfg, self.model, mesh, dp_size)
+        self.numerics = StepNumerics.of(cfg, self.model, mesh["tp"].size(), device, mesh["cp"].size(),
+                                        mesh["cp"].get_local_rank())
+        self.reduction = build_reduction(cfg, self.model, mesh, dp_size * mesh["cp"].size())  # (FSDP's ranks)
         self.stop, self.clock = Stop(), Clock()
         self.evaluator = Evaluator(cfg, self.model, mesh, device, run.tokenizer, self.numerics, self.data, tasks,
                                    self.dp_sum, lambda: self.stop.poll(device))

@@ -24,11 +24,13 @@ from .kv_cache import KVCache, LayerCache
 
 class Where(NamedTuple):
     """What attention needs besides its input: the rotary angles of the tokens' positions ((B or 1, T, hd/2) each;
-    None with learned positions) and, when decoding, this layer's KV cache and the call's mask (None: the call's one
-    token sees every cached slot). Without a cache attention is causal."""
+    None with learned positions), when decoding this layer's KV cache and the call's mask (None: the call's one
+    token sees every cached slot), and the tokens' positions when they are not 0..T-1 (T,). Without a cache
+    attention is causal."""
     rope: tuple[torch.Tensor, torch.Tensor] | None
     kv: LayerCache | None = None
     mask: torch.Tensor | None = None  # (B, 1, T, slots) bool
+    positions: torch.Tensor | None = None  # (T,) int64
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
@@ -108,6 +110,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # Where the keys come from when this module holds part of a sequence (set from outside, by context
+        # parallelism): (k, v, positions) -> (keys and values of the whole sequence, the (T, keys) bool mask of
+        # which this call's queries may see). None: the call holds whole sequences.
+        self.context = None
 
     def forward(self, x: torch.Tensor, where: Where) -> torch.Tensor:
         q = rearrange(self.wq(x), "b t (n d) -> b t n d", d=self.head_dim)  # (B, T, nh, hd)
@@ -116,10 +122,14 @@ class Attention(nn.Module):
         if where.rope is not None:
             q, k = apply_rope(q, *where.rope), apply_rope(k, *where.rope)
         q, k, v = (rearrange(t, "b t n d -> b n t d") for t in (q, k, v))  # (B, n, T, hd)
+        mask, causal = where.mask, where.kv is None  # with a cache: the mask (None: see all)
         if where.kv is not None:  # decoding: this call's keys and values join the cached ones
             k, v = where.kv.update(k, v)  # (B, nkv, slots, hd)
+        elif self.context is not None:  # part of each sequence: keys and values of all of it, masked causally
+            k, v, mask = self.context(k, v, where.positions)  # (B, nkv, T_all, hd), (T, T_all)
+            causal = False
         y = F.scaled_dot_product_attention(  # causal softmax(QK^T / sqrt(hd)) V, fused where the device has it
-            q, k, v, attn_mask=where.mask, is_causal=where.kv is None,  # with a cache: the mask (None: see all)
+            q, k, v, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
         return self.wo(rearrange(y, "b n t d -> b t (n d)"))  # (B, T, H)
 
@@ -237,17 +247,19 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
                 loss_chunk_tokens: int = 4096, cache: KVCache | None = None,
-                valid: torch.Tensor | None = None) -> torch.Tensor:
+                valid: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B, T) int64 -> logits (B, T, V); with targets (B, T): the summed token cross entropy instead,
         computed by linear_cross_entropy in chunks of loss_chunk_tokens (targets of -100 count zero). With a
         cache: the tokens continue the cached ones (models/kv_cache.py), valid (B, T) bool marking the real ones
-        (default all)."""
+        (default all). positions (T,) int64: where the tokens sit in their sequences when they are a part of them
+        (context parallelism's chunks; attention's context then supplies the other parts' keys); default 0..T-1."""
         T = input_ids.shape[1]
+        given = positions
         if cache is None and T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        if cache is None:
+        if cache is None and positions is None:
             positions = torch.arange(T, device=input_ids.device)  # (T,): the same for every sequence
-        else:
+        elif cache is not None:
             valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid
             positions = cache.begin(valid)  # (B, T)
         h = self.tok_embeddings(input_ids)  # (B, T, H)
@@ -255,12 +267,15 @@ class GPT(nn.Module):
             h = h + self.pos_embeddings(positions)
         h = self.drop(h)
         rope = None
-        if self.cfg.position == "rope" and cache is None:
+        if self.cfg.position == "rope" and cache is None and given is None:
             rope = (self.rope_cos[None, :T], self.rope_sin[None, :T])  # (1, T, hd/2): views of the tables
         elif self.cfg.position == "rope":
-            rope = (self.rope_cos[positions], self.rope_sin[positions])  # (B, T, hd/2)
+            rope = (self.rope_cos[positions], self.rope_sin[positions])  # (B or 1, T, hd/2)
+            if rope[0].dim() == 2:
+                rope = (rope[0][None], rope[1][None])
         for i, layer in enumerate(self.layers):
-            h = layer(h, Where(rope, cache.layers[i], cache.mask) if cache is not None else Where(rope))
+            h = layer(h, Where(rope, cache.layers[i], cache.mask) if cache is not None
+                      else Where(rope, positions=given))
         if cache is not None:
             cache.end(valid)
         h = self.norm(h)

@@ -67,7 +67,7 @@ class Evaluator:
                     with n.loss_context(), n.autocast():
                         loss = n.forward_loss(self.model, x.to(self.device), y.to(self.device))
                     total[g, 0] += local_tensor(loss)
-                    total[g, 1] += (y != IGNORE_INDEX).sum()
+                    total[g, 1] += (n.mine(y) != IGNORE_INDEX).sum()
         self.model.train()
         total = self.dp_sum(total)
         if stopped:

@@ -4,8 +4,8 @@ Its modules: the process group, mesh and layout (distributed.py), fp8 conversion
 (tensor_parallel.py) and SP's sequence shards (sequence_shard.py), FSDP2 wrapping (fsdp.py), the meta-device start-up
 (startup.py), and exact reduction's integer gradient sums (exact.py, imported only when the mode is on).
 
-The order is fixed: fp8 conversion -> tensor/sequence parallelism -> activation checkpointing -> torch.compile ->
-FSDP.
+The order is fixed: fp8 conversion -> tensor/sequence parallelism -> context parallelism -> activation
+checkpointing -> torch.compile -> FSDP.
 - fp8 first (train.fp8, hybridpar/parallel/fp8.py): it swaps nn.Linear for torchao's Float8Linear, which the TP
   styles then shard and FSDP wraps (tensorwise: its weights are torchao's float8 all-gather tensors, which
   fully_shard must see when it shards them).
@@ -152,7 +152,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1, 
 def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Module:
     """Apply hybridpar's parallelism and memory/speed wrappers to a GPT on the meta device, in place (each rank then
     materialises only its shards: hybridpar.parallel.startup)."""
-    tp, dp = mesh["tp"].size(), mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+    # (the cp ranks of a data-parallel rank share its parameters: FSDP shards and reduces over them like dp_shard)
+    tp, dp = mesh["tp"].size(), mesh["dp_replicate"].size() * mesh["dp_shard"].size() * mesh["cp"].size()
     if cfg.train.fp8 != "off":
         convert_fp8(model, cfg, emulate=mesh.device_type != "cuda", fsdp=uses_fsdp(cfg, dp))
     if tp > 1:
@@ -160,6 +161,9 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
         # would not see through: only without either.
         plain = cfg.train.activation_checkpointing == "none" and not cfg.train.compile
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, keep_shards_in_blocks=plain)
+    if mesh["cp"].size() > 1:  # attention's keys and values from every cp rank's chunks
+        from hybridpar.parallel.context import apply_cp
+        apply_cp(model, mesh["cp"])
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.ac_every,
                                    preserve_rng=cfg.model.dropout > 0)
     if cfg.train.compile:

@@ -1,7 +1,9 @@
 """Process group and device mesh: the one place that reads the launcher's environment and builds the mesh.
 
-The mesh has three axes, outermost first: dp_replicate x dp_shard x tp. tp is innermost so that a tensor-parallel
-group is a block of consecutive ranks, i.e. inside one node with its fast links; the data-parallel axes span nodes.
+The mesh has four axes, outermost first: dp_replicate x dp_shard x cp x tp. tp is innermost so that a tensor-parallel
+group is a block of consecutive ranks, i.e. inside one node with its fast links, and a context-parallel group the
+next block out; the data-parallel axes span nodes. The cp ranks of a data-parallel rank read the same sequences and
+hold two chunks of each (hybridpar.parallel.context); FSDP shards over dp_shard x cp.
 A single process (no launcher) gets a world of one, with a real process group (gloo on the CPU) on an in-memory
 store, so the trainer always runs on a mesh and the single-process path is the distributed path with degrees 1.
 """
@@ -22,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from hybridpar.config import ParallelConfig
 from hybridpar.errors import ConfigError
 
-MESH_AXES = ("dp_replicate", "dp_shard", "tp")
+MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def resolve_degrees(cfg: ParallelConfig, world_size: int, ranks_per_node: int = 
 
 
 def _describe(degrees) -> str:
-    return ", ".join(f"{n}={d}" for n, d in zip(MESH_AXES, degrees))
+    return ", ".join(f"{n}={d}" for n, d in zip(("dp_replicate", "dp_shard", "tp"), degrees))
 
 
 def cuda_index(local_rank: int) -> int:
@@ -154,32 +156,50 @@ def start_process_group(cfg: ParallelConfig, device: torch.device, world: WorldI
 
 @dataclass(frozen=True)
 class Layout:
-    """The degrees of the mesh (dp_replicate, dp_shard, tp; tp innermost): rank = (rep * dp_shard + shard) * tp + tp
-    rank."""
+    """The degrees of the mesh (dp_replicate, dp_shard, cp, tp; tp innermost): rank = ((rep * dp_shard + shard) * cp
+    + cp rank) * tp + tp rank. FSDP shards over dp_shard x cp (fsdp: that size; fsdp_index: a rank's place)."""
     dp_replicate: int
     dp_shard: int
     tp: int
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks: those reading different sequences."""
         return self.dp_replicate * self.dp_shard
 
     @property
-    def degrees(self) -> tuple[int, int, int]:
-        return self.dp_replicate, self.dp_shard, self.tp
+    def fsdp(self) -> int:
+        return self.dp_shard * self.cp
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(replicate, shard, tp) coordinates of a rank."""
-        return rank // (self.dp_shard * self.tp), rank // self.tp % self.dp_shard, rank % self.tp
+    @property
+    def degrees(self) -> tuple[int, int, int, int]:
+        """In MESH_AXES order."""
+        return self.dp_replicate, self.dp_shard, self.cp, self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(replicate, shard, cp, tp) coordinates of a rank."""
+        tp, rank = rank % self.tp, rank // self.tp
+        cp, rank = rank % self.cp, rank // self.cp
+        return rank // self.dp_shard, rank % self.dp_shard, cp, tp
+
+    def fsdp_index(self, rank: int) -> int:
+        """A rank's index among the dp_shard x cp ranks FSDP shards over."""
+        _, shard, cp, _ = self.coords(rank)
+        return shard * self.cp + cp
 
 
-def init_mesh(degrees: tuple[int, int, int], device: torch.device) -> DeviceMesh:
-    """The 3-axis mesh (dp_replicate, dp_shard, tp) over the started process group."""
-    return init_device_mesh(device.type, tuple(degrees), mesh_dim_names=MESH_AXES)
+def init_mesh(degrees: tuple[int, int, int, int], device: torch.device) -> DeviceMesh:
+    """The 4-axis mesh (dp_replicate, dp_shard, cp, tp) over the started process group; under context parallelism
+    with dp_shard x cp flattened to one axis too, "dp_shard_cp" (FSDP's: hybridpar.parallel.fsdp.dp_mesh_of)."""
+    mesh = init_device_mesh(device.type, tuple(degrees), mesh_dim_names=MESH_AXES)
+    if mesh["cp"].size() > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
 
 
 def process_group_options(cfg: ParallelConfig, device: torch.device) -> dict:
@@ -204,9 +224,10 @@ def dp_rank_size(mesh: DeviceMesh) -> tuple[int, int]:
 
 
 def dp_sum(mesh: DeviceMesh):
-    """A function summing a tensor in place over the mesh's data-parallel axes, and returning it; the axes' groups
-    are sliced once, here (a mesh slice reads its ranks on the host)."""
-    groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard") if mesh[a].size() > 1]
+    """A function summing a tensor in place over the mesh's data-parallel and context-parallel axes (every rank of
+    a different sequence or a different part of one: token counts and loss shares add up over them), and returning
+    it; the axes' groups are sliced once, here (a mesh slice reads its ranks on the host)."""
+    groups = [mesh[a].get_group() for a in ("dp_replicate", "dp_shard", "cp") if mesh[a].size() > 1]
 
     def total(t: torch.Tensor) -> torch.Tensor:
         for group in groups:

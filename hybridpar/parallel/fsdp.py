@@ -10,6 +10,8 @@ memory, one all-gather less), N to groups of N ranks.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -20,9 +22,12 @@ from hybridpar.errors import ConfigError
 
 
 def dp_mesh_of(mesh: DeviceMesh) -> DeviceMesh:
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+    """FSDP's mesh: the shard axis dp_shard (dp_shard x cp, flattened by init_mesh, under context parallelism: the
+    cp ranks hold the same parameters), under HSDP with dp_replicate before it."""
+    shard = "dp_shard_cp" if mesh["cp"].size() > 1 else "dp_shard"
+    with warnings.catch_warnings():  # (torch 2.13 warns that slicing a flattened axis from the root will change;
+        warnings.simplefilter("ignore", UserWarning)  # FSDP over it with TP needs the root's slice today)
+        return mesh["dp_replicate", shard] if mesh["dp_replicate"].size() > 1 else mesh[shard]
 
 
 def check_strategy(cfg: ParallelConfig, dp_shard: int) -> None:

@@ -133,7 +133,7 @@ class Plan:
     # none; a study of another framework's policy sets it (a per-op policy that saves every second matmul: 0.5)
     recomputed_matmuls: float = 0.0
 
-    tokens = property(lambda self: self.micro * self.seq_len)  # of one microbatch
+    tokens = property(lambda self: self.micro * self.seq_len // self.layout.cp)  # of one microbatch, on this rank
     a = property(lambda self: 2 if self.precision == "bf16" else 4)  # bytes per element of the compute dtype
     autocast = property(lambda self: self.precision == "bf16" and not self.fsdp)  # (no FSDP mixed precision)
     fused_loss = property(lambda self: bool(self.loss_chunk_tokens) and self.layout.tp == 1)  # chunked head + loss
@@ -149,7 +149,7 @@ def plan_of(cfg: Config, layout: Layout, rank: int = 0) -> Plan:
     flops, sizes = flops_parts(m, t.seq_len), local_sizes(m, layout, rank)
     muon = {"muon_ns_flops": 0, "muon_comm_bytes": 0}
     if o.name == "muon":  # matrix j of a shard group of dp_shard x tp ranks is owned by member j mod n
-        _, shard, tp_rank = layout.coords(rank)
+        _, shard, _, tp_rank = layout.coords(rank)
         muon = owner_share([shape for shape, _ in sizes.hidden], [held for _, held in sizes.hidden],
                            layout.dp_shard * layout.tp, shard * layout.tp + tp_rank, o.muon_ns_steps,
                            o.muon_distribution == "gather")
@@ -416,7 +416,7 @@ def compute_time(plan: Plan, gpu: GPU) -> dict:
     attention = parts["attention"] * (1 + ckpt / m.n_layers / 3)
     fp8 = plan.fp8 != "off" and gpu.peak_fp8_tflops > 0
     fp8_mm = (blocks + (parts["head"] if plan.fp8_linears == "all" else 0)) if fp8 else 0
-    tokens = plan.global_batch * plan.seq_len / layout.dp / layout.tp / 1e12  # of this rank's TP group, per step
+    tokens = plan.global_batch * plan.seq_len / layout.dp / layout.cp / layout.tp / 1e12  # this TP group's, a step
     gemm = ((blocks + parts["head"] - fp8_mm) / gpu.peak_tflops + fp8_mm / (gpu.peak_fp8_tflops or 1.0)) * tokens
     attn = attention / gpu.peak_tflops * tokens
     rate = gemm_efficiency(plan.tokens, m.d_model / layout.tp)

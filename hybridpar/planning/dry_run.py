@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from hybridpar.config import Config
 from hybridpar.errors import ConfigError
-from hybridpar.parallel.distributed import MESH_AXES, local_tensor
+from hybridpar.parallel.distributed import MESH_AXES, init_mesh, local_tensor
 from hybridpar.parallel.startup import build_parallel_model
 from hybridpar.training.muon import muon_plan
 from hybridpar.training.optim import make_optimizer, takes_muon
@@ -45,15 +45,13 @@ _RANK_OF_MESH: dict[tuple, int] = {}
 def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
     """Parallelize a resolved config's model (hybridpar.resolve: its degrees filled in) for `rank` of `world_size`
     on the meta device; returns its local bytes and shapes."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
 
     if dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (it starts a fake one)")
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside the world of {world_size}; pick 0 <= rank < {world_size}")
-    degrees = (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.tp)
+    degrees = (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.parallel.cp, cfg.parallel.tp)
     if math.prod(degrees) != world_size:
         raise ConfigError(f"the degrees {degrees} do not make a world of {world_size}; resolve the config first")
     cfg = replace(cfg, train=replace(cfg.train, compile=False))  # compile changes no shape, and needs real tensors
@@ -66,7 +64,7 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
                            f"run rank {rank}'s in a new process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", degrees, mesh_dim_names=MESH_AXES)
+        mesh = init_mesh(degrees, torch.device("cpu"))
         init_start = time.perf_counter()
         # The trainer's own start-up: this rank's shards materialised on the CPU and initialised for real.
         model = build_parallel_model(cfg, mesh, torch.device("cpu"))

@@ -77,13 +77,13 @@ def chunk(n: int, parts: int, index: int) -> int:
 
 
 def local_shape(spec: ParamSpec, layout: Layout, rank: int) -> tuple[int, ...]:
-    """The shape of this rank's piece: TP chunk of spec.tp_dim, then (with FSDP) the dp_shard chunk of dim 0."""
-    _, shard, tp_rank = layout.coords(rank)
+    """The shape of this rank's piece: TP chunk of spec.tp_dim, then (with FSDP) the dp_shard (x cp) chunk of dim 0."""
+    tp_rank = layout.coords(rank)[3]
     shape = list(spec.shape)
     if layout.tp > 1 and spec.tp_dim is not None:
         shape[spec.tp_dim] = chunk(shape[spec.tp_dim], layout.tp, tp_rank)
-    if layout.dp > 1:  # fully_shard shards over dp_shard (on a 1x1 mesh, for bf16, it shards nothing)
-        shape[0] = chunk(shape[0], layout.dp_shard, shard)
+    if layout.dp * layout.cp > 1:  # fully_shard shards over dp_shard x cp (on a 1x1 mesh, for bf16, nothing)
+        shape[0] = chunk(shape[0], layout.fsdp, layout.fsdp_index(rank))
     return tuple(shape)
 
 

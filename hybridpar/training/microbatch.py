@@ -44,20 +44,26 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
-def logits_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The plain path: the model's logits, then token_loss_sum (under loss_parallel for vocab-sharded logits)."""
-    return token_loss_sum(model(x), y)
+def logits_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw) -> torch.Tensor:
+    """The plain path: the model's logits, then token_loss_sum (under loss_parallel for vocab-sharded logits). kw:
+    the model's other arguments (context parallelism's positions)."""
+    return token_loss_sum(model(x, **kw), y)
 
 
-def chunked_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
+def chunked_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 4096, **kw) -> torch.Tensor:
     """The model computes the summed loss itself, LM head and cross entropy fused in chunks of tokens (no
     [tokens, vocab] logits); for unsharded vocabularies (tp = 1)."""
-    return model(x, targets=y, loss_chunk_tokens=chunk_tokens)
+    return model(x, targets=y, loss_chunk_tokens=chunk_tokens, **kw)
 
 
-def count_target_tokens(microbatches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Target tokens of these microbatches, as a tensor (no host read)."""
-    return sum((y != IGNORE_INDEX).sum() for _, y in microbatches)
+def whole(y: torch.Tensor) -> torch.Tensor:
+    return y
+
+
+def count_target_tokens(microbatches: list[tuple[torch.Tensor, torch.Tensor]], mine=whole) -> torch.Tensor:
+    """Target tokens of these microbatches that this rank computes the loss of (mine: its part of a (b, T)
+    target tensor), as a tensor (no host read)."""
+    return sum((mine(y) != IGNORE_INDEX).sum() for _, y in microbatches)
 
 
 @dataclass(frozen=True)
@@ -67,9 +73,10 @@ class StepNumerics:
     forward_loss: Callable  # (model, x, y) -> token-loss sum
     loss_context: Callable  # loss_parallel under tensor parallelism
     fp8_scales: Callable | None  # float8 all-gathers: the weights' scales, computed before each forward
+    mine: Callable = whole  # (b, T) targets -> those whose loss this rank computes (its cp chunks; all without cp)
 
     @classmethod
-    def of(cls, cfg, model, tp: int, device: torch.device) -> "StepNumerics":
+    def of(cls, cfg, model, tp: int, device: torch.device, cp: int = 1, cp_rank: int = 0) -> "StepNumerics":
         t = cfg.train
         if tp > 1:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -78,7 +85,15 @@ class StepNumerics:
             loss_context = nullcontext
             fused = t.loss_chunk_tokens and not (t.fp8 != "off" and t.fp8_linears == "all")  # (fp8 head: a module)
             forward_loss = partial(chunked_loss, chunk_tokens=t.loss_chunk_tokens) if fused else logits_loss
-        return cls(autocast_for(model, t.precision, device), forward_loss, loss_context, fp8_scales(model, cfg))
+        mine = whole
+        if cp > 1:
+            from hybridpar.parallel.context import chunk_positions, context_loss
+            forward_loss = context_loss(forward_loss, cp, cp_rank)
+
+            def mine(y):
+                return y[:, chunk_positions(y.shape[1], cp, cp_rank, y.device)]
+        return cls(autocast_for(model, t.precision, device), forward_loss, loss_context, fp8_scales(model, cfg),
+                   mine)
 
 
 def forward_backward_no_pipelining(
@@ -134,7 +149,7 @@ def step_gradients(model: nn.Module, microbatches: list, numerics: StepNumerics,
     step replayed (random numbers from `seed` again) while the reduction cannot take it on its grids (exact
     reduction, from its last step's `bounds`). Returns (this rank's loss share, the bounds for the next step)."""
     # Target tokens of the whole global batch, as a device tensor: summed over dp ranks without a host sync.
-    n_tokens = dp_sum(count_target_tokens(microbatches).float())
+    n_tokens = dp_sum(count_target_tokens(microbatches, numerics.mine).float())
     while True:
         reduction.begin(bounds)
         loss = forward_backward_no_pipelining(model, microbatches, n_tokens, device, numerics.forward_loss,
