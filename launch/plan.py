@@ -96,8 +96,7 @@ def report(a, cfg, layout: Layout) -> dict:
     mem, est = memory(plan), step_time(plan_of(cfg, layout) if a.rank else plan, gpu, c.gpus_per_node)
     usable = gpu.usable_bytes
     out = {"model": cfg.model.name, "gpu": c.gpu, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
-           "world_size": layout.world, "rank": a.rank, "layout": dict(zip(MESH_AXES, (layout.dp_replicate,
-                                                                                     layout.dp_shard, layout.tp))),
+           "world_size": layout.world, "rank": a.rank, "layout": dict(zip(MESH_AXES, layout.degrees)),
            "micro_batch_size": cfg.train.micro_batch_size, "global_batch_size": cfg.train.global_batch_size,
            "seq_len": cfg.train.seq_len, "precision": cfg.train.precision,
            "activation_checkpointing": cfg.train.activation_checkpointing, "fsdp_strategy": cfg.parallel.fsdp_strategy,

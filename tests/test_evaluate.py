@@ -73,7 +73,7 @@ def _model_and_scorer(max_len=16, batch_size=3):
     torch.manual_seed(0)
     model = build_model(get_model_config("tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=256, max_seq_len=64),
                         device="cpu").eval()
-    mesh = init_mesh((1, 1, 1), torch.device("cpu"))
+    mesh = init_mesh((1, 1, 1, 1), torch.device("cpu"))
     return model, Scorer(model, mesh, torch.device("cpu"), ByteTokenizer(), max_len, batch_size)
 
 
@@ -193,7 +193,7 @@ def test_acc_norm_divides_by_characters_and_continuations_are_encoded_in_context
         torch.manual_seed(0)
         model = build_model(get_model_config("tiny", n_layers=2, d_model=64, n_heads=4, vocab_size=tok.vocab_size,
                                              max_seq_len=64), device="cpu").eval()
-        scorer = Scorer(model, init_mesh((1, 1, 1), torch.device("cpu")), torch.device("cpu"), tok, 32, 3)
+        scorer = Scorer(model, init_mesh((1, 1, 1, 1), torch.device("cpu")), torch.device("cpu"), tok, 32, 3)
         got = run_task(read_task(tmp_path / "mc.jsonl"), scorer)
         acc = acc_norm = differs = 0
         for e in examples:

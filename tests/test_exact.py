@@ -192,9 +192,8 @@ def test_the_grid_sums_exactly_replays_a_step_that_outgrew_it_and_passes_a_nan_o
     import torch
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from hybridpar.parallel.distributed import MESH_AXES
+    from hybridpar.parallel.distributed import init_mesh
     from hybridpar.parallel.exact import ExactGradients, quantum_of
 
     model = nn.Linear(3, 2)
@@ -212,7 +211,7 @@ def test_the_grid_sums_exactly_replays_a_step_that_outgrew_it_and_passes_a_nan_o
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ex = ExactGradients(model, init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=MESH_AXES), names)
+        ex = ExactGradients(model, init_mesh((1, 1, 1, 1), torch.device("cpu")), names)
         assert step([0, 1, 2], None) == (False, bounds)  # no grid yet: measured, to be replayed
         written = set()
         for order in itertools.permutations(range(3)):

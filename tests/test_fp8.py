@@ -30,7 +30,7 @@ def _parallel_model(args):
     from hybridpar.parallel.startup import build_parallel_model
 
     cfg = load_config(["--train.precision", "bf16", *args])
-    return build_parallel_model(cfg, init_mesh((1, 1, 1), torch.device("cpu")), torch.device("cpu"))
+    return build_parallel_model(cfg, init_mesh((1, 1, 1, 1), torch.device("cpu")), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("which, head", [("hidden", False), ("all", True)])
@@ -327,7 +327,7 @@ def test_torchao_is_never_imported_when_fp8_is_off(tmp_path):
             "from hybridpar.parallel.distributed import init_mesh\n"
             "from hybridpar.parallel.startup import build_parallel_model\n"
             f"dist.init_process_group('gloo', store=dist.FileStore({str(tmp_path / 's')!r}, 1), rank=0, world_size=1)\n"
-            "m = build_parallel_model(load_config(['--train.precision', 'bf16']), init_mesh((1, 1, 1), "
+            "m = build_parallel_model(load_config(['--train.precision', 'bf16']), init_mesh((1, 1, 1, 1), "
             "torch.device('cpu')), torch.device('cpu'))\n"
             "print(sorted(k for k in sys.modules if k.split('.')[0] == 'torchao'))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=user_env(), capture_output=True, text=True,

@@ -181,13 +181,13 @@ def test_fsdp_is_given_what_the_strategy_says(strategy, degrees, block_reshard):
     group size (dp_shard) and, after a block's forward, the group its parameters stay sharded over (dp_shard for
     full_shard, N for an integer, none: kept gathered for shard_grad_op and for the root); an integer equal to
     dp_shard is refused (the last case: 4 over dp_shard 4)."""
+    import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from hybridpar.models import build_model
     from hybridpar.parallel import parallelize_gpt
-    from hybridpar.parallel.distributed import MESH_AXES
+    from hybridpar.parallel.distributed import Layout, init_mesh
 
     r, s, t = degrees
     argv = ["--model.n_layers", "2", "--parallel.fsdp_strategy", strategy, "--parallel.dp_replicate", str(r),
@@ -199,8 +199,8 @@ def test_fsdp_is_given_what_the_strategy_says(strategy, degrees, block_reshard):
         return
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
-        model = parallelize_gpt(build_model(cfg.model, device="meta"), init_device_mesh("cpu", degrees,
-                                                                                        mesh_dim_names=MESH_AXES), cfg)
+        model = parallelize_gpt(build_model(cfg.model, device="meta"), init_mesh(Layout(*degrees).degrees,
+                                                                                           torch.device("cpu")), cfg)
         for module, after_forward in [(model.layers[0], block_reshard), (model.layers[1], block_reshard),
                                       (model, None)]:
             group = module._get_fsdp_state()._fsdp_param_group
@@ -257,16 +257,15 @@ def test_bf16_one_process_and_two_run_the_same_numerics(tmp_path, cache_dir):
 def test_bf16_wraps_a_single_device_model_in_fsdp():
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
-    from hybridpar.parallel.distributed import MESH_AXES
+    from hybridpar.parallel.distributed import init_mesh
     from hybridpar.models import build_model
     from hybridpar.parallel import parallelize_gpt
 
     cfg = load_config(["--train.precision", "bf16", "--model.n_layers", "1"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=MESH_AXES)
+        mesh = init_mesh((1, 1, 1, 1), torch.device("cpu"))
         model = parallelize_gpt(build_model(cfg.model, device="cpu"), mesh, cfg)
         assert isinstance(model, FSDPModule)
         assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights

@@ -84,7 +84,7 @@ def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank, capsys
     # Tensor by tensor, not just in total.
     cfg = load_config(["--model.name", model])
     lay = r["layout"]
-    layout = Layout(lay["dp_replicate"], lay["dp_shard"], lay["tp"])
+    layout = Layout(lay["dp_replicate"], lay["dp_shard"], lay["tp"], lay["cp"])
     planned = {s.name: local_shape(s, layout, rank) for s in param_specs(cfg.model)}
     assert {k: list(v) for k, v in planned.items()} == r["dry_run_local_shapes"]
 
@@ -151,7 +151,7 @@ def test_plan_json_and_ranked_layouts():
     for key in ("params_bytes_per_gpu", "grads_bytes_per_gpu", "optimizer_bytes_per_gpu", "activations_bytes_per_gpu",
                 "total_bytes_per_gpu", "step_time_s", "tokens_per_sec"):
         assert r[key] > 0, key
-    assert r["layout"] == {"dp_replicate": 1, "dp_shard": 16, "tp": 1}
+    assert r["layout"] == {"dp_replicate": 1, "dp_shard": 16, "cp": 1, "tp": 1}
     assert r["total_bytes_per_gpu"] == sum(r[k] for k in ("params_bytes_per_gpu", "grads_bytes_per_gpu",
                                                             "optimizer_bytes_per_gpu", "activations_bytes_per_gpu",
                                                             "logits_bytes_per_gpu", "fsdp_buffers_bytes_per_gpu"))
@@ -256,14 +256,13 @@ def test_fused_loss_keeps_what_the_planner_says(family, precision):
 
 def _tp_worker(rank: int, world: int, init_file: str, results) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from hybridpar.parallel.distributed import MESH_AXES
+    from hybridpar.parallel.distributed import init_mesh
     from hybridpar.parallel import parallelize_gpt
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=MESH_AXES)
+        mesh = init_mesh((1, 1, 1, world), torch.device("cpu"))
         out = {}
         for family in ("gpt", "modern"):
             for sp in (True, False):
@@ -330,9 +329,8 @@ def _accumulation_worker(rank: int, world: int, init_file: str, results) -> None
     import warnings
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from hybridpar.parallel.distributed import MESH_AXES
+    from hybridpar.parallel.distributed import Layout, init_mesh
     from hybridpar.training.microbatch import forward_backward_no_pipelining
     from hybridpar.training.reduction import MeanReduction
     from hybridpar.parallel.startup import build_parallel_model
@@ -345,7 +343,7 @@ def _accumulation_worker(rank: int, world: int, init_file: str, results) -> None
                                "--train.global_batch_size", "8", "--train.micro_batch_size", "2",
                                "--parallel.dp_replicate", str(degrees[0]), "--parallel.dp_shard", str(degrees[1]),
                                "--parallel.accumulate_unsharded", str(unsharded).lower()])
-            model = build_parallel_model(cfg, init_device_mesh("cpu", degrees, mesh_dim_names=MESH_AXES),
+            model = build_parallel_model(cfg, init_mesh(Layout(*degrees).degrees, torch.device("cpu")),
                                          torch.device("cpu"))
             g = torch.Generator().manual_seed(rank)
             batches = [tuple(torch.randint(0, 4096, (2, 64), generator=g) for _ in "xy") for _ in range(2)]
@@ -423,7 +421,7 @@ def test_the_inter_node_fabric_is_an_input(capsys):
     for given, gbps in (([], 50), (["--cluster.internode_gbps", "25"], 25)):
         assert plan.main([*base, *given]) == 0
         out = json.loads(capsys.readouterr().out)
-        assert out["layout"] == {"dp_replicate": 1, "dp_shard": 32, "tp": 1}
+        assert out["layout"] == {"dp_replicate": 1, "dp_shard": 32, "cp": 1, "tp": 1}
         moved = out["fsdp_gather_bytes"] + out["fsdp_scatter_bytes"]
         assert out["fsdp_comm_s"] == pytest.approx(31 / 32 * moved / (gbps * 1e9 * 0.8), rel=1e-9)
     assert plan.main([*base, "--cluster.internode_gbps", "-1"]) == 2
@@ -614,7 +612,7 @@ def test_layout_auto_takes_the_fastest_layout_that_fits(model, nodes, batch, seq
     assert plan.main([*base, "--json", "--top", "0", "--parallel.layout", "auto"]) == 0
     auto = json.loads(capsys.readouterr().out)
     best = ranked[0]
-    assert auto["layout"] == {k: best[k] for k in ("dp_replicate", "dp_shard", "tp")}
+    assert auto["layout"] == {"cp": 1, **{k: best[k] for k in ("dp_replicate", "dp_shard", "tp")}}
     assert (auto["micro_batch_size"], auto["activation_checkpointing"]) == (best["micro_batch_size"],
                                                                             best["activation_checkpointing"])
     assert auto["fits"] and auto["step_time_s"] == pytest.approx(best["step_time_s"])

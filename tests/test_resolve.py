@@ -31,7 +31,7 @@ def test_tp3_trains_the_vocabulary_of_one_process(cache_dir):
                        "--model.d_model", "192", "--train.seq_len", "96", "--train.global_batch_size", "4"])
     run = resolve(cfg, WorldInfo(0, 3, 0, 3), CPU)
     assert run.cfg.model.vocab_size == 4096 and run.tokenizer.vocab_size == 4096
-    assert run.layout.degrees == (1, 1, 3) and run.cfg.train.micro_batch_size == 4
+    assert run.layout.degrees == (1, 1, 1, 3) and run.cfg.train.micro_batch_size == 4
 
 
 def test_every_derived_value_is_filled_and_the_result_is_frozen(cache_dir):

@@ -362,7 +362,7 @@ def test_the_validation_loss_over_sources_is_token_weighted_by_hand():
     from types import SimpleNamespace
 
     from hybridpar.inference.in_training import Evaluator
-    from hybridpar.training.microbatch import IGNORE_INDEX, logits_loss
+    from hybridpar.training.microbatch import IGNORE_INDEX, StepNumerics, logits_loss
 
     class Logits(torch.nn.Module):  # token 0 -> flat logits, token 1 -> 2.0 on entry 0
         def __init__(self):
@@ -378,8 +378,7 @@ def test_the_validation_loss_over_sources_is_token_weighted_by_hand():
     code_y = torch.full((2, 8), IGNORE_INDEX)
     code_y[0, :4] = 0
     code = (torch.ones(2, 8, dtype=torch.long), code_y)
-    numerics = SimpleNamespace(fp8_scales=None, loss_context=nullcontext, autocast=nullcontext,
-                               forward_loss=logits_loss)
+    numerics = StepNumerics(nullcontext, logits_loss, nullcontext, None)
     data = SimpleNamespace(valid_sources={"web": [web], "code": [code]}, valid=[web, code])
     ev = Evaluator(SimpleNamespace(train=SimpleNamespace(compile=False)), Logits(), None, torch.device("cpu"), None,
                    numerics, data, [], lambda t: t, lambda: False)

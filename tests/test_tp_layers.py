@@ -75,8 +75,8 @@ def _worker(rank: int, world: int, init_file: str, results) -> None:
                 return real[name](*a, **k)
             return call
 
-        for shape, key in (((1, world, 1), "fsdp_counts"), ((world, 1, 1), "hsdp_counts")):
-            dp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        for shape, key in (((1, world, 1, 1), "fsdp_counts"), ((world, 1, 1, 1), "hsdp_counts")):
+            dp_mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
             model = build_model(get_model_config("tiny", n_layers=2), device="cpu")
             apply_fsdp(model, dp_mesh, ParallelConfig(), bf16=False)
             for name in real:
