@@ -24,13 +24,11 @@ from .kv_cache import KVCache, LayerCache
 
 class Where(NamedTuple):
     """What attention needs besides its input: the rotary angles of the tokens' positions ((B or 1, T, hd/2) each;
-    None with learned positions), when decoding this layer's KV cache and the call's mask (None: the call's one
-    token sees every cached slot), and the tokens' positions when they are not 0..T-1 (T,). Without a cache
-    attention is causal."""
+    None with learned positions) and, when decoding, this layer's KV cache and the call's mask (None: the call's one
+    token sees every cached slot). Without a cache attention is causal."""
     rope: tuple[torch.Tensor, torch.Tensor] | None
     kv: LayerCache | None = None
     mask: torch.Tensor | None = None  # (B, 1, T, slots) bool
-    positions: torch.Tensor | None = None  # (T,) int64
 
 
 def _norm(cfg: ModelConfig) -> nn.Module:
@@ -110,9 +108,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.attn_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
-        # Where the keys come from when this module holds part of a sequence (set from outside, by context
-        # parallelism): (k, v, positions) -> (keys and values of the whole sequence, the (T, keys) bool mask of
-        # which this call's queries may see). None: the call holds whole sequences.
+        # Attention when this module holds parts of each sequence (set from outside, by context parallelism):
+        # (q, k, v, dropout_p) of this call's tokens -> their causal attention over the whole sequence. None: the
+        # call holds whole sequences.
         self.context = None
 
     def forward(self, x: torch.Tensor, where: Where) -> torch.Tensor:
@@ -122,15 +120,15 @@ class Attention(nn.Module):
         if where.rope is not None:
             q, k = apply_rope(q, *where.rope), apply_rope(k, *where.rope)
         q, k, v = (rearrange(t, "b t n d -> b n t d") for t in (q, k, v))  # (B, n, T, hd)
-        mask, causal = where.mask, where.kv is None  # with a cache: the mask (None: see all)
+        dropout = self.dropout if self.training else 0.0
         if where.kv is not None:  # decoding: this call's keys and values join the cached ones
             k, v = where.kv.update(k, v)  # (B, nkv, slots, hd)
-        elif self.context is not None:  # part of each sequence: keys and values of all of it, masked causally
-            k, v, mask = self.context(k, v, where.positions)  # (B, nkv, T_all, hd), (T, T_all)
-            causal = False
-        y = F.scaled_dot_product_attention(  # causal softmax(QK^T / sqrt(hd)) V, fused where the device has it
-            q, k, v, attn_mask=mask, is_causal=causal,
-            dropout_p=self.dropout if self.training else 0.0, enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
+        if self.context is not None and where.kv is None:  # parts of each sequence: attention over all of it
+            y = self.context(q, k, v, dropout)  # (B, nh, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(  # causal softmax(QK^T / sqrt(hd)) V, fused where the device has it
+                q, k, v, attn_mask=where.mask, is_causal=where.kv is None,  # with a cache: the mask (None: see all)
+                dropout_p=dropout, enable_gqa=k.shape[1] != q.shape[1])  # (B, nh, T, hd)
         return self.wo(rearrange(y, "b n t d -> b t (n d)"))  # (B, T, H)
 
 
@@ -274,8 +272,7 @@ class GPT(nn.Module):
             if rope[0].dim() == 2:
                 rope = (rope[0][None], rope[1][None])
         for i, layer in enumerate(self.layers):
-            h = layer(h, Where(rope, cache.layers[i], cache.mask) if cache is not None
-                      else Where(rope, positions=given))
+            h = layer(h, Where(rope, cache.layers[i], cache.mask) if cache is not None else Where(rope))
         if cache is not None:
             cache.end(valid)
         h = self.norm(h)

@@ -235,7 +235,8 @@ def test_vocab_parallel_logprobs_equal_log_softmax():
 # -- every layout of 2 ranks gives one process's tokens and numbers ---------------------------------------------
 LAYOUTS = {"tp": ["--parallel.tp", "2"], "tp+sp": ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
            "fsdp": ["--parallel.dp_shard", "2"], "replicate": ["--parallel.dp_replicate", "2", "--parallel.dp_shard",
-                                                               "1"]}
+                                                               "1"],
+           "cp": ["--parallel.cp", "2", "--parallel.dp_shard", "1"]}
 PROMPTS = [[72, 101, 108, 108, 111], [84, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98], [65]]
 # 11 (context, continuation) requests of distinct lengths: 3 batches of 4, which 2 data-parallel ranks do not divide
 # (one rank scores a spare batch and throws it away); each request is compared, not only the metrics they make. The
@@ -252,7 +253,7 @@ def _everything(ckpt: str, argv: list[str], tasks: dict) -> dict:
     loaded = load_for_inference(ckpt, load_config(argv), "bytes")
     run = loaded.run
     pad = run.layout.tp if run.cfg.parallel.sequence_parallel else 1
-    out = {}
+    out = {"degrees": run.layout.degrees}
     for name, s in (("greedy", Sampling(max_new_tokens=16, stop_at_eod=False)),
                     ("sampled", Sampling(max_new_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=3))):
         out[name] = generate(loaded.model, PROMPTS, s, run.device, 0, pad_multiple=pad).tokens
@@ -280,7 +281,9 @@ def _layout_worker(rank: int, init_file: str, ckpts: dict, tasks: dict, results)
 def test_every_layout_generates_the_same_tokens_and_scores_the_same_numbers(tmp_path):
     """GPT-2 family (learned positions) and modern family (RoPE, GQA, SwiGLU) checkpoints, on 2 gloo ranks as tp 2,
     tp 2 with sequence parallelism, FSDP over 2 and replicated over 2, against one process: the same greedy and
-    seeded-sampled tokens, the same accuracies, and log-likelihood metrics equal to 1e-5 (other reduction orders)."""
+    seeded-sampled tokens, the same accuracies, and log-likelihood metrics equal to 1e-5 (other reduction orders).
+    Context parallelism (cp 2) scores two of each window's four chunks on each of its ranks, and generates with the
+    whole sequence on each (the KV cache's path)."""
     from test_convert import _checkpoint
     from hybridpar.parallel.distributed import shutdown
 
@@ -305,6 +308,7 @@ def test_every_layout_generates_the_same_tokens_and_scores_the_same_numbers(tmp_
             for rank in range(2):
                 got = results[rank, family, layout]
                 where = (family, layout, rank)
+                assert layout != "cp" or got["degrees"] == (1, 1, 2, 1), got["degrees"]  # (each rank half a window)
                 assert got["greedy"] == want["greedy"] and got["sampled"] == want["sampled"], where
                 assert got["mc"]["acc"] == want["mc"]["acc"] and got["mc"]["acc_norm"] == want["mc"]["acc_norm"], where
                 assert got["cloze"]["acc"] == want["cloze"]["acc"], where

@@ -29,6 +29,7 @@ from torch import nn
 
 from hybridpar.inference.tasks import Task
 from hybridpar.parallel.distributed import dp_rank_size, dp_sum, local_tensor
+from hybridpar.parallel.context import chunk_positions
 
 PAD_TO = 16  # batch lengths are rounded up to this, the same on every layout
 
@@ -69,6 +70,8 @@ class Scorer:
         self.dp_rank, self.dp = dp_rank_size(mesh)
         self.dp_sum = dp_sum(mesh)
         self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
+        # context parallelism: each cp rank scores its two chunks of every window (hybridpar.parallel.context)
+        self.cp, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
 
     # -- text -> tokens, as lm-evaluation-harness splits them ------------------------------------------------
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -116,20 +119,24 @@ class Scorer:
                     shown = time.perf_counter()
                 k = r * self.dp + self.dp_rank
                 mine = batches[k] if k < len(batches) else batches[0][:1]  # a spare rank repeats a request, unused
-                ll, greedy = self._score(mine, seqs, pairs)
+                ll, missed = self._score(mine, seqs, pairs)
                 if k < len(batches):
-                    results[mine, 0], results[mine, 1] = ll, greedy.double()
+                    results[mine, 0], results[mine, 1] = ll, missed
         finally:
             self.model.train(was_training)
-        self.dp_sum(results)  # each request was scored on one data-parallel rank: the sum is its value
-        return [(float(a), bool(b)) for a, b in results.tolist()]
+        # each request was scored on one data-parallel rank, its tokens split over its cp ranks: the sums are its
+        # log-likelihood and its count of tokens that were not the argmax
+        self.dp_sum(results)
+        return [(float(a), b == 0) for a, b in results.tolist()]
 
     def _score(self, rows: list[int], seqs, pairs) -> tuple[torch.Tensor, torch.Tensor]:
         longest = max(len(seqs[i]) - 1 for i in rows)
-        step = math.lcm(PAD_TO, self.pad_multiple)  # (sequence parallelism: a multiple of tp as well)
+        # (sequence parallelism: a multiple of tp as well; context parallelism: of 2 cp, and of cp x tp with both)
+        multiple = math.lcm(self.pad_multiple * self.cp, 2 * self.cp)
+        step = math.lcm(PAD_TO, multiple)
         T = -(-longest // step) * step
-        if T > self.model.cfg.max_seq_len:  # max_len (<= the context) divides by tp under sequence parallelism
-            T = -(-longest // self.pad_multiple) * self.pad_multiple
+        if T > self.model.cfg.max_seq_len:  # max_len (<= the context, = train.seq_len) divides by `multiple`
+            T = -(-longest // multiple) * multiple
         x = torch.zeros(len(rows), T, dtype=torch.long)
         y = torch.full((len(rows), T), -1, dtype=torch.long)
         for b, i in enumerate(rows):
@@ -137,11 +144,15 @@ class Scorer:
             x[b, :len(s) - 1] = torch.tensor(s[:-1])
             y[b, len(s) - 1 - n_cont:len(s) - 1] = torch.tensor(s[-n_cont:])
         x, y = x.to(self.device), y.to(self.device)
+        kw = {}
+        if self.cp > 1:  # this rank's chunks of each window, at their positions
+            kw["positions"] = chunk_positions(T, self.cp, self.cp_rank, self.device)
+            x, y = x[:, kw["positions"]], y[:, kw["positions"]]
         with self.autocast():
-            logits = self.model(x)  # (B, T, V)
+            logits = self.model(x, **kw)  # (B, T / cp, V)
         logprob, is_max = vocab_parallel_logprobs(logits, y, self.tp_group)
         scored = y >= 0
-        return logprob.double().sum(1), (is_max | ~scored).all(1)
+        return logprob.double().sum(1), (~is_max & scored).sum(1).double()
 
 
 def run_task(task: Task, scorer: Scorer) -> dict[str, float]:

@@ -12,16 +12,23 @@ data-parallel and cp ranks (hybridpar.parallel.distributed.dp_sum) it is the glo
 process's; FSDP shards over dp_shard x cp, so each gradient is reduced over them (its average, which the loss scale
 turns back into the sum).
 
-Attention runs as one scaled_dot_product_attention of the rank's queries over the gathered keys with a boolean mask
-(key position <= query position): on the CPU and for every SDPA backend that takes a mask. A flash kernel takes no
-mask, so a GPU run uses the memory-efficient or math kernel here (not measured on a GPU yet).
+Attention, per layer: the gathered keys and values are put in sequence order, and each of the rank's two query
+chunks (chunk g: c = T / (2 cp) queries at positions g c .. (g + 1) c - 1) attends to the keys before its end,
+K[:(g + 1) c], with a causal mask aligned to the lower right (torch.nn.attention.bias.causal_lower_right: query i
+sees keys up to g c + i). That is one scaled_dot_product_attention per chunk, no mask tensor on a GPU (CUDA's flash
+and memory-efficient kernels take the lower-right causal variant as a flag; the CPU builds the chunk's boolean mask),
+and the causal work of the two chunks, (g + 1) + (2 cp - g) = 2 cp + 1 chunk pairs, is the same on every rank. The
+keys and values a rank keeps for backward are those of the whole sequence: 2 x T x n_kv_heads x head_dim elements per
+sequence and layer (what the planner counts), against T / cp x n_kv_heads x head_dim each without cp.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from hybridpar.errors import ConfigError
 
@@ -59,31 +66,42 @@ class _GatherSequence(torch.autograd.Function):
         return out.movedim(0, 2), None, None
 
 
-class KeysFromEveryChunk:
-    """An attention layer's context (models/gpt.py Attention.context): its keys and values gathered from every cp
-    rank, and the causal mask of this rank's queries over them."""
+def sequence_order(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """The index putting the all-gathered tokens (rank 0's chunks, rank 1's, ...) in sequence order."""
+    gathered = torch.cat([chunk_positions(seq_len, cp, r) for r in range(cp)])
+    return gathered.argsort().to(device)
 
-    def __init__(self, group, cp: int):
-        self.group, self.cp = group, cp
-        self._mask = (None, None)  # (positions, their mask): every layer of a forward gets the same positions
 
-    def mask(self, positions: torch.Tensor) -> torch.Tensor:
-        """(T / cp, T) bool: True where a query of this rank may see a key of the gathered sequence; one tensor for
-        every layer of a forward (and so one saved for backward)."""
-        if self._mask[0] is not positions:
-            seq_len = positions.numel() * self.cp
-            keys = torch.cat([chunk_positions(seq_len, self.cp, r, positions.device) for r in range(self.cp)])
-            self._mask = (positions, keys[None, :] <= positions[:, None])
-        return self._mask[1]
+class ChunkAttention:
+    """An attention layer's context under context parallelism (models/gpt.py Attention.context): causal attention
+    of this rank's query chunks over the keys and values of the whole sequence, gathered from every cp rank."""
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        return (_GatherSequence.apply(k, self.group, self.cp), _GatherSequence.apply(v, self.group, self.cp),
-                self.mask(positions))
+    def __init__(self, group, cp: int, rank: int):
+        self.group, self.cp, self.rank = group, cp, rank
+        self._order: dict[tuple, torch.Tensor] = {}  # (seq_len, device) -> sequence_order
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """q (B, nh, T / cp, hd), k and v (B, nkv, T / cp, hd) of this rank's chunks -> the attention output
+        (B, nh, T / cp, hd)."""
+        c = q.shape[2] // 2
+        seq_len = 2 * c * self.cp
+        key = (seq_len, k.device)
+        if key not in self._order:
+            self._order[key] = sequence_order(seq_len, self.cp, k.device)
+        order = self._order[key]
+        k, v = (_GatherSequence.apply(t, self.group, self.cp).index_select(2, order) for t in (k, v))
+        out = []
+        for i, g in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
+            end = (g + 1) * c
+            out.append(F.scaled_dot_product_attention(
+                q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(c, end),
+                dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1]))
+        return torch.cat(out, dim=2)
 
 
 def apply_cp(model: nn.Module, cp_mesh) -> None:
     """Give every attention layer the context of the cp axis (one, shared), in place (no parameter changes)."""
-    context = KeysFromEveryChunk(cp_mesh.get_group(), cp_mesh.size())
+    context = ChunkAttention(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
     for block in model.layers:  # (before activation checkpointing wraps the blocks)
         block.attn.context = context
 
@@ -113,11 +131,7 @@ def check_cp(cfg, tp: int, gpus_per_node: int | None, seq_lens: list[int]) -> No
     if gpus_per_node is not None and cp * tp > gpus_per_node:
         raise ConfigError(f"parallel.cp={cp} x tp={tp} exceeds the {gpus_per_node} GPUs of a node: the keys' and "
                           f"values' all-gathers need the node's links; lower cp or tp")
-    t = cfg.train
-    refused = {"train.compile": t.compile, f"train.fp8={t.fp8}": t.fp8 != "off",
-               "parallel.exact_reduction": cfg.parallel.exact_reduction, "optim.name=muon": cfg.optim.name == "muon",
-               "train.eval_tasks": bool(t.eval_tasks), f"model.dropout={cfg.model.dropout}": cfg.model.dropout > 0,
-               "parallel.layout auto": cfg.parallel.layout == "auto"}
+    refused = {"train.compile": cfg.train.compile, "parallel.layout auto": cfg.parallel.layout == "auto"}
     bad = [name for name, on in refused.items() if on]
     if bad:
         raise ConfigError(f"parallel.cp={cp} does not run with {', '.join(bad)} yet; use parallel.cp 1 for it")
