@@ -14,21 +14,22 @@ turns back into the sum).
 
 Attention, per layer: the gathered keys and values are put in sequence order, and each of the rank's two query
 chunks (chunk g: c = T / (2 cp) queries at positions g c .. (g + 1) c - 1) attends to the keys before its end,
-K[:(g + 1) c], with a causal mask aligned to the lower right (torch.nn.attention.bias.causal_lower_right: query i
-sees keys up to g c + i). That is one scaled_dot_product_attention per chunk, no mask tensor on a GPU (CUDA's flash
-and memory-efficient kernels take the lower-right causal variant as a flag; the CPU builds the chunk's boolean mask),
-and the causal work of the two chunks, (g + 1) + (2 cp - g) = 2 cp + 1 chunk pairs, is the same on every rank. The
+K[:(g + 1) c], under a (c, (g + 1) c) additive mask (query i sees keys up to g c + i): one
+scaled_dot_product_attention per chunk, which on a GPU runs the fused memory-efficient kernel (it takes a mask; flash
+takes none). The work of the two chunks, (g + 1) + (2 cp - g) = 2 cp + 1 chunk blocks, is the same on every rank:
+(2 cp + 1) / (4 cp) of the rank's dense share of the T x T scores, against 1/2 for a causal kernel without cp. The
 keys and values a rank keeps for backward are those of the whole sequence: 2 x T x n_kv_heads x head_dim elements per
-sequence and layer (what the planner counts), against T / cp x n_kv_heads x head_dim each without cp.
+sequence and layer (what the planner counts), against 2 x T / cp x n_kv_heads x head_dim without the gather.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from hybridpar.errors import ConfigError
 
@@ -78,24 +79,35 @@ class ChunkAttention:
 
     def __init__(self, group, cp: int, rank: int):
         self.group, self.cp, self.rank = group, cp, rank
-        self._order: dict[tuple, torch.Tensor] = {}  # (seq_len, device) -> sequence_order
+        self._cache: dict[tuple, tuple] = {}  # (chunk length, device, dtype) -> (sequence_order, the chunks' masks)
+
+    def _order_and_masks(self, c: int, q: torch.Tensor) -> tuple:
+        """The gathered tokens' sequence order, and for each query chunk g the (c, (g + 1) c) additive mask of the
+        keys its queries see (0 where key j <= g c + i, else -inf: causal, aligned to the lower right), in the
+        queries' dtype: SDPA would convert a boolean mask to it on every call, and keep each layer's copy for
+        backward; this one tensor serves every layer."""
+        key = (c, q.device, q.dtype)
+        if key not in self._cache:
+            masks = []
+            for g in (self.rank, 2 * self.cp - 1 - self.rank):
+                keys, queries = torch.arange((g + 1) * c, device=q.device), g * c + torch.arange(c, device=q.device)
+                hidden = keys[None, :] > queries[:, None]
+                masks.append(torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, -math.inf))
+            self._cache[key] = (sequence_order(2 * c * self.cp, self.cp, q.device), masks)
+        return self._cache[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
         """q (B, nh, T / cp, hd), k and v (B, nkv, T / cp, hd) of this rank's chunks -> the attention output
         (B, nh, T / cp, hd)."""
         c = q.shape[2] // 2
-        seq_len = 2 * c * self.cp
-        key = (seq_len, k.device)
-        if key not in self._order:
-            self._order[key] = sequence_order(seq_len, self.cp, k.device)
-        order = self._order[key]
+        order, masks = self._order_and_masks(c, q)
         k, v = (_GatherSequence.apply(t, self.group, self.cp).index_select(2, order) for t in (k, v))
         out = []
-        for i, g in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
-            end = (g + 1) * c
+        for i, mask in enumerate(masks):
+            end = mask.shape[1]
             out.append(F.scaled_dot_product_attention(
-                q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(c, end),
-                dropout_p=dropout_p, enable_gqa=k.shape[1] != q.shape[1]))
+                q[:, :, i * c:(i + 1) * c], k[:, :, :end], v[:, :, :end], attn_mask=mask, dropout_p=dropout_p,
+                enable_gqa=k.shape[1] != q.shape[1]))
         return torch.cat(out, dim=2)
 
 

@@ -185,7 +185,9 @@ def _layer_bytes(plan: Plan, s: int, r: int) -> float:
     output a*2F/t; SwiGLU: gate, up, silu(gate), product a*4F/t. Under torch.compile the blocks keep their
     gathered inputs (the sequence-shard hooks are not applied: compiled graphs would not see through them).
     math_attention also keeps the softmax probabilities 4*nh*T/t per token and key/value expanded to every query
-    head, a*2(nh - nkv)*hd/t more, and no log-sum-exp."""
+    head, a*2(nh - nkv)*hd/t more, and no log-sum-exp. Context parallelism (cp ranks, T/cp tokens each) keeps the
+    gathered keys and values of the whole sequence, a*2*nkv*hd*cp/t per local token, and the two query chunks'
+    outputs beside their concatenation, a*nh*hd/t more (hybridpar/parallel/context.py)."""
     m, tp, a = plan.m, plan.layout.tp, plan.a
     H, hd = m.d_model, m.head_dim
     nh, nkv = m.n_heads / tp, m.kv_heads / tp
@@ -196,8 +198,9 @@ def _layer_bytes(plan: Plan, s: int, r: int) -> float:
     mlp_in = a * H * (2 if (plan.autocast and m.mlp == "swiglu") else 1) / shard
     inner = a * (4 if m.mlp == "swiglu" else 2) * m.ffn_dim / tp
     scores = (4 * nh * plan.seq_len + a * 2 * (nh - nkv) * hd - 4 * nh) if plan.math_attention else 0
-    return 2 * _norm_bytes(plan, s, r) + attn_in + a * (nh + 2 * nkv) * hd + a * nh * hd + 4 * nh + mlp_in + inner \
-        + scores
+    cp = plan.layout.cp  # context parallelism: the keys and values of the whole sequence, and the chunks' outputs
+    kv = a * 2 * nkv * hd * cp + (a * nh * hd if cp > 1 else 0)  # beside their concatenation (wo's input)
+    return 2 * _norm_bytes(plan, s, r) + attn_in + a * nh * hd + kv + a * nh * hd + 4 * nh + mlp_in + inner + scores
 
 
 def _checkpointed(plan: Plan, layer: float, s: int, r: int) -> tuple[float, float]:
@@ -223,13 +226,17 @@ def _checkpointed(plan: Plan, layer: float, s: int, r: int) -> tuple[float, floa
 def _outside_bytes(plan: Plan, s: int, r: int) -> int:
     """Outside the blocks: the token ids, the position ids (learned positions) or the RoPE tables, the final
     norm's input and statistics, the LM head's input (not with the fused loss, which keeps gradients instead: its
-    sequence shard under SP)."""
-    m, tokens = plan.m, plan.tokens
+    sequence shard under SP); under context parallelism the attention masks and key order every layer shares."""
+    m, tokens, cp = plan.m, plan.tokens, plan.layout.cp
     outside = 8 * tokens
+    plain_blocks = plan.ac == "none" or (plan.ac == "full" and plan.ac_every > 1)  # (blocks whose forward is kept)
     if m.position == "learned":
-        outside += 8 * plan.seq_len
-    elif plan.ac == "none" or (plan.ac == "full" and plan.ac_every > 1):
-        outside += 2 * m.max_seq_len * m.head_dim // 2 * 4  # the cos/sin tables the RoPE multiplies save
+        outside += 8 * plan.seq_len // cp
+    elif plain_blocks:  # the cos/sin tables the RoPE multiplies save (under cp: their rows at the rank's positions)
+        outside += 2 * (plan.seq_len // cp if cp > 1 else m.max_seq_len) * m.head_dim // 2 * 4
+    if cp > 1 and plain_blocks:  # context parallelism: the gather's sequence order (int64) and the two query
+        c = plan.seq_len // (2 * cp)  # chunks' additive masks, c x (g + 1) c for chunks g = rank and 2 cp - 1 - rank
+        outside += 8 * plan.seq_len + plan.a * c * c * (2 * cp + 1)
     outside += _norm_bytes(plan, s, r) * tokens
     if not plan.fused_loss:
         outside += plan.a * m.d_model * tokens / (1 if plan.autocast else s)

@@ -105,13 +105,13 @@ def dry_run(cfg: Config, world_size: int, rank: int = 0) -> dict:
 
 
 def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, autocast: bool = False,
-                           targets: torch.Tensor | None = None, loss: str = "fused") -> int:
+                           targets: torch.Tensor | None = None, loss: str = "fused", **kw) -> int:
     """Bytes autograd keeps for backward in one forward of a real (non-meta) model, each storage once, parameters
     excluded; with targets, through the loss: `fused` (the model's chunked LM head + loss) or `plain` (logits,
-    then hybridpar's token_loss_sum). A checkpointed block shows up as the input it keeps, and a selectively
-    checkpointed one also as the op outputs its policy cached (read from torch.utils.checkpoint's cache, whose
-    forward contexts each checkpoint wrapper's, or each selectively checkpointed branch's, context_fn is wrapped to record
-    for the call)."""
+    then hybridpar's token_loss_sum); kw: the model's other arguments (context parallelism's positions). A
+    checkpointed block shows up as the input it keeps, and a selectively checkpointed one also as the op outputs its
+    policy cached (read from torch.utils.checkpoint's cache, whose forward contexts each checkpoint wrapper's, or
+    each selectively checkpointed branch's, context_fn is wrapped to record for the call)."""
     from hybridpar.training.microbatch import chunked_loss, logits_loss
 
     params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
@@ -143,9 +143,9 @@ def saved_activation_bytes(model: torch.nn.Module, input_ids: torch.Tensor, auto
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
             if targets is None:
-                out = model(input_ids)
+                out = model(input_ids, **kw)
             else:
-                out = (chunked_loss if loss == "fused" else logits_loss)(model, input_ids, targets)
+                out = (chunked_loss if loss == "fused" else logits_loss)(model, input_ids, targets, **kw)
     finally:
         for m in wrappers:
             m.checkpoint_fn = m.checkpoint_fn.func
