@@ -92,7 +92,7 @@ def test_layout_gives_the_single_process_loss_curve(layout, nproc, extra, refere
     losses, stdout = _train(tmp_path, cache_dir, "run", nproc, ["--parallel.dp_replicate", str(r),
                                                                  "--parallel.dp_shard", str(s), "--parallel.tp", str(t),
                                                                  *extra], dp=r * s)
-    assert f"'dp_replicate': {r}, 'dp_shard': {s}, 'tp': {t}" in stdout
+    assert f"'dp_replicate': {r}, 'dp_shard': {s}, 'cp': 1, 'tp': {t}" in stdout
     assert "2 microbatch(es)" in stdout
     ref_losses, ref_weights, ref_norms = reference
     # Step 1's gradient is taken at the same initial weights: equal to summation order (2e-6 measured); later ones
@@ -128,7 +128,7 @@ def test_layout_auto_on_four_ranks_trains_the_single_process_curve(reference, tm
     p = chosen.parallel
     assert f"layout auto: dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x tp {p.tp}, micro-batch " \
            f"{chosen.train.micro_batch_size}" in out.stdout and "; runner-up: " in out.stdout, out.stdout
-    assert f"'dp_replicate': {p.dp_replicate}, 'dp_shard': {p.dp_shard}, 'tp': {p.tp}" in out.stdout
+    assert f"'dp_replicate': {p.dp_replicate}, 'dp_shard': {p.dp_shard}, 'cp': 1, 'tp': {p.tp}" in out.stdout
     saved = load_config(["--config", str(run_dir / "config.yaml")])
     assert saved.parallel.layout == "manual" and (saved.parallel.tp, saved.train.micro_batch_size) == \
         (p.tp, chosen.train.micro_batch_size)
