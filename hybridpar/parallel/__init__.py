@@ -171,7 +171,8 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
             block.compile()
     # (parallel.exact_reduction over replicas alone, in fp32: plain data parallelism, which the mode reduces itself;
     # FSDP would sum the replicas' gradients in float without a reduce-scatter to quantize them in)
-    replicas_only = cfg.parallel.exact_reduction and mesh["dp_shard"].size() == 1 and cfg.train.precision != "bf16"
+    replicas_only = (cfg.parallel.exact_reduction and mesh["dp_shard"].size() * mesh["cp"].size() == 1
+                     and cfg.train.precision != "bf16")
     if uses_fsdp(cfg, dp) and not replicas_only:
         apply_fsdp(model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16")
     return model

@@ -148,12 +148,12 @@ def plan_of(cfg: Config, layout: Layout, rank: int = 0) -> Plan:
     n_micro = t.global_batch_size // (micro * layout.dp)
     flops, sizes = flops_parts(m, t.seq_len), local_sizes(m, layout, rank)
     muon = {"muon_ns_flops": 0, "muon_comm_bytes": 0}
-    if o.name == "muon":  # matrix j of a shard group of dp_shard x tp ranks is owned by member j mod n
-        _, shard, _, tp_rank = layout.coords(rank)
+    if o.name == "muon":  # matrix j of a shard group of dp_shard x cp x tp ranks is owned by member j mod n
+        tp_rank = layout.coords(rank)[3]
         muon = owner_share([shape for shape, _ in sizes.hidden], [held for _, held in sizes.hidden],
-                           layout.dp_shard * layout.tp, shard * layout.tp + tp_rank, o.muon_ns_steps,
+                           layout.fsdp * layout.tp, layout.fsdp_index(rank) * layout.tp + tp_rank, o.muon_ns_steps,
                            o.muon_distribution == "gather")
-    fsdp, precision = uses_fsdp(cfg, layout.dp), t.precision or "fp32"
+    fsdp, precision = uses_fsdp(cfg, layout.dp * layout.cp), t.precision or "fp32"
     # "auto" counts as false here, the mode that always needs less (hybridpar.planning.layouts.choose_accumulation
     # settles it for a device); nothing is held without FSDP or with one microbatch
     unsharded = p.accumulate_unsharded is True and fsdp and n_micro > 1
