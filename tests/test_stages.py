@@ -288,6 +288,49 @@ def test_a_killed_staged_run_resumes_with_the_same_samples(staged, kill_at, rank
 
 
 @pytest.mark.multiprocess
+def test_a_stage_raising_seq_len_resumes_on_cp_and_a_cp_checkpoint_back_on_one_process(staged):
+    """Context parallelism across a long-context stage: the one-process reference's checkpoint 10, where stage 4's
+    64-token sequences begin (seq_len 32 -> 64), resumed on 4 ranks as cp 2 x dp_shard 2 gives the reference's
+    steps 11-12 (losses and the step-12 validation losses within 1e-5, the same stages and per-source samples); a cp
+    2 x dp_shard 2 run from checkpoint 8 to the boundary, resumed from its checkpoint 10 on one process, does too,
+    with the reference's batch CRCs."""
+    tmp, web, code, stages, ref, rows = staged
+    want_val = next(r for r in metrics_rows(ref) if r.get("step") == 12 and "val_loss" in r)
+    cp = ["--parallel.cp", "2", "--parallel.dp_shard", "2"]
+    four = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+
+    def check(run_dir, steps, dp=1):
+        got = step_rows(run_dir)
+        assert sorted(got) == steps, sorted(got)
+        # (batch_crc32 is of rank 0's sequences: data-parallel rank 0's half of the batch at dp 2, its cp ranks'
+        # alike; the whole batch on one process)
+        keep = 4 if dp == 1 else 3
+        assert {s: _samples({0: got[s]})[0][:keep] for s in steps} == \
+            {s: _samples({0: rows[s]})[0][:keep] for s in steps}
+        for s in steps:
+            assert got[s]["loss"] == pytest.approx(rows[s]["loss"], rel=1e-5), s
+        return got
+
+    boundary = tmp / "cp-from-boundary"
+    out = run_cli([*four, *_staged_args(tmp, boundary, stages, "--checkpoint.load", str(checkpoint_dir(ref, 10)), *cp)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "'cp': 2" in out.stdout
+    assert [r["seq_len"] for r in check(boundary, [11, 12], dp=2).values()] == [64, 64]
+    val = next(r for r in metrics_rows(boundary) if r.get("step") == 12 and "val_loss" in r)
+    for key in ("val_loss", "val_loss/web", "val_loss/code"):
+        assert val[key] == pytest.approx(want_val[key], rel=1e-5), key
+    before = tmp / "cp-to-boundary"
+    out = run_cli([*four, *_staged_args(tmp, before, stages, "--checkpoint.load", str(checkpoint_dir(ref, 8)),
+                                        "--train.steps", "10", *cp)])
+    assert out.returncode == 0, out.stderr[-3000:]
+    check(before, [9, 10], dp=2)
+    back = tmp / "cp-checkpoint-on-one"
+    out = run_cli(_staged_args(tmp, back, stages, "--checkpoint.load", str(checkpoint_dir(before, 10))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    check(back, [11, 12])
+
+
+@pytest.mark.multiprocess
 def test_changed_stages_are_refused_unless_allowed_then_apply_from_the_resume_point(staged):
     tmp, web, code, stages, ref, rows = staged
     run_dir = tmp / "changed"
