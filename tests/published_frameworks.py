@@ -73,10 +73,13 @@ class Published:
     step_s: float | None
     memory: float | None
     unit: str = "GiB"
+    cp: int = 1
+    fp8: str = "off"  # train.fp8
+    fused_loss: bool = True  # False: cross entropy over the whole logits (train.loss_chunk_tokens 0)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.dp_shard * self.dp_replicate
+        return self.tp * self.dp_shard * self.dp_replicate * self.cp
 
     @property
     def measured_tokens_per_gpu_s(self) -> float:
@@ -122,6 +125,14 @@ ROWS = [
               43651, "MiB"),
 ]
 
+# torchtitan's context-parallel rows (the same file, 8 H100 96 GB): Llama-3 8B, micro 1, full AC, compile, float8
+# (tensorwise, its default), FSDP x CP over the 8 GPUs at 32k to 256k tokens a sequence. Not fitted: the planner's
+# check on long sequences (tests/test_plan.py).
+CP_ROWS = [
+    Published(TT, TT_SRC, "llama3-8b", TT_GPU, 1, 8 // cp, 1, 1, 1, 32768 * cp, "full", True, "hybridpar", tok, None,
+              mem, cp=cp, fp8="tensorwise", fused_loss=False)
+    for cp, tok, mem in ((1, 3890, 83.9), (2, 2540, 84.2), (4, 1071, 84.0), (8, 548, 84.5))]
+
 
 def config(row: Published):
     """hybridpar's config of a row: its model, batch, sequence, checkpointing and compile, in bf16."""
@@ -133,6 +144,7 @@ def config(row: Published):
         "--train.activation_checkpointing", row.ac, "--train.compile", str(row.compile).lower(),
         "--parallel.tp", str(row.tp), "--parallel.dp_shard", str(row.dp_shard),
         "--parallel.dp_replicate", str(row.dp_replicate), "--parallel.sequence_parallel", str(row.tp > 1).lower(),
+        "--parallel.cp", str(row.cp), "--train.fp8", row.fp8, *([] if row.fused_loss else ["--train.loss_chunk_tokens", "0"]),
         *(pr.LEAN if row.recipe == "bf16" else [])])
 
 
@@ -190,14 +202,15 @@ def _kf_sweep() -> list[Measurement]:
 
 def measurement(row: Published) -> Measurement:
     """A row of ROWS as the time model sees it."""
-    cfg, layout = config(row), Layout(row.dp_replicate, row.dp_shard, row.tp)
+    cfg, layout = config(row), Layout(row.dp_replicate, row.dp_shard, row.tp, row.cp)
     plan = replace(plan_of(cfg, layout), recomputed_matmuls=RECOMPUTED_MATMULS.get(row.framework, 0.0))
     per_node = 4 if row.gpu == "h200" else 8  # (KempnerForge's nodes hold 4 H200; the others' 8)
     fsdp = (pr.recipe_fsdp_seconds(cfg, layout, row.accumulation, row.gpu, per_node)
             if row.framework in NO_SYNC_ACCUMULATION else None)
     step = row.micro * row.accumulation * row.dp_shard * row.dp_replicate * row.seq / (
         row.measured_tokens_per_gpu_s * row.gpus)
-    label = (f"{row.model} {row.gpus} GPUs (tp {row.tp} x fsdp {row.dp_shard}), {row.micro} x {row.accumulation} x "
+    label = (f"{row.model} {row.gpus} GPUs (tp {row.tp} x fsdp {row.dp_shard}{f' x cp {row.cp}' if row.cp > 1 else ''}), "
+             f"{row.micro} x {row.accumulation} x "
              f"{row.seq}, AC {row.ac}, {'compiled' if row.compile else 'eager'}")
     return Measurement(row.framework, label, plan, row.gpu, per_node, step, fsdp)
 
@@ -312,11 +325,29 @@ def memory_table() -> str:
     return "\n".join(lines)
 
 
+def cp_table() -> str:
+    """docs/planning.md's context-parallel table: torchtitan's CP rows (not fitted), measured and planned step and
+    memory, and the attention's implied share of the bf16 peak (the measured step less every planned term but
+    attention, over the attention FLOPs' seconds at the peak)."""
+    lines = ["| run | step: measured / planned | memory GiB: measured / planned | attention at |",
+             "| --- | --- | --- | --- |"]
+    for r in CP_ROWS:
+        m, mem = measurement(r), memory_row(r)
+        s = m.terms()["step"]
+        implied = s["attention_at_peak_s"] / (m.step_s - m.planned() + s["attention_at_peak_s"] / cost.ATTENTION_EFFICIENCY)
+        lines.append(f"| {m.label}, fp8 | {m.step_s:.1f} s / {m.planned():.1f} s ({m.planned() / m.step_s - 1:+.0%}) | "
+                     f"{mem['measured_gib']:.1f} / {mem['memory_gib']:.1f} ({mem['memory_error']:+.0%}) | "
+                     f"{implied:.0%} of peak |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     f = fit()
     print(table(f))
     print()
     print(memory_table())
+    print()
+    print(cp_table())
     rms = {k: float(np.sqrt(np.mean(np.square(f[k])))) for k in ("in_sample", "out_of_sample")}
     print(f"\nGEMM_HALF_WIDTH {half_width()} (GEMM_SWEEP); fit: " + ", ".join(
         f"{k} {f[k]:.3f}" for k in ("GEMM_EFFICIENCY", "EAGER_HBM_PASSES")))

@@ -52,6 +52,9 @@ DRY_RUNS = [
                              "--optim.state_dtype", "bf16"], 9),
     ("gpt3-1.3b", 1, 8, ["--parallel.tp", "4", "--train.precision", "bf16", "--optim.master_dtype", "bf16",
                          "--optim.state_dtype", "bf16", "--optim.master_rounding", "kahan"], 5),
+    # context parallelism: FSDP over dp_shard 128 x cp 8 = 1,024 ranks (a 32k-token sequence over 8 GPUs of a node)
+    ("gpt-modern-7b", 128, 8, ["--parallel.cp", "8", "--train.seq_len", "32768", "--model.max_seq_len", "32768",
+                               "--train.eval_batches", "1"], 1021),
 ]
 
 
@@ -71,6 +74,9 @@ def test_planner_bytes_equal_the_dry_run(model, nodes, gpn, layout, rank, capsys
     assert r["dry_run_grads_bytes"] == r["grads_bytes_per_gpu"]
     assert r["dry_run_optimizer_bytes"] == r["optimizer_bytes_per_gpu"]
     assert r["dry_run_matches"] is True
+    if "--parallel.cp" in layout:  # rank 1021 = (127 x 8 + 5) x 1: dp_shard 127, cp 5 of the FSDP group of 1,024
+        assert r["layout"] == {"dp_replicate": 1, "dp_shard": 128, "cp": 8, "tp": 1}
+        assert r["dry_run_coords"] == {"dp_replicate": 0, "dp_shard": 127, "cp": 5, "tp": 0}
     if "--optim.master_dtype" in layout:  # 2-byte weights and gradients; 2 x 2-byte moments (+ 2: Kahan's) a weight
         ratio = 3 if "kahan" in layout else 2
         assert r["dry_run_grads_bytes"] == r["dry_run_params_bytes"]
@@ -537,7 +543,24 @@ def test_other_frameworks_runs_are_transcribed_and_tabled():
         sweep.tp, sweep.dp_shard, sweep.micro, sweep.accumulation, sweep.memory_gib)
     assert pf.config(weak).model == pr.config(sweep).model
     doc = (ROOT / "docs" / "planning.md").read_text()
-    assert pf.table() in doc and pf.memory_table() in doc
+    assert pf.table() in doc and pf.memory_table() in doc and pf.cp_table() in doc
+
+
+def test_torchtitans_context_parallel_rows_fit_in_memory_as_planned():
+    """torchtitan's CP rows (Llama-3 8B on 8 H100, FSDP x CP at 32k to 256k tokens, not fitted): the planned memory
+    within 15% of the published (its unfused loss keeps the whole logits); the planned step is 15-44% short of the
+    published one (docs/planning.md: torchtitan's attention there runs at 18-28% of the bf16 peak, hybridpar's
+    constant is FlashAttention-2's 33%), so held to what the docs say, not to a bar."""
+    import published_frameworks as pf
+
+    for r in pf.CP_ROWS:
+        m, mem = pf.measurement(r), pf.memory_row(r)
+        assert m.plan.layout.cp == r.cp and m.plan.layout.world == 8 and m.plan.seq_len == 32768 * r.cp
+        assert abs(mem["memory_error"]) <= 0.15, (r.cp, mem)
+        assert -0.45 <= m.planned() / m.step_s - 1 <= -0.1, (r.cp, m.planned(), m.step_s)
+        # the K/V collectives are counted and small beside attention at these lengths
+        s = m.terms()["step"]
+        assert (s["cp_comm_s"] > 0) == (r.cp > 1) and s["cp_comm_s"] < 0.01 * s["step_time_s"]
 
 
 def test_time_model_constants_are_the_fit_and_hold_out_of_sample():

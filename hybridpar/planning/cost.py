@@ -411,7 +411,9 @@ def compute_time(plan: Plan, gpu: GPU) -> dict:
     gemm_efficiency(micro-batch tokens, d_model / tp) of the peak, the attention scores and sums at
     ATTENTION_EFFICIENCY (gemm_at_peak_s, attention_at_peak_s: their seconds at the peak). Under train.fp8 the
     converted linears' FLOPs (the blocks', and the LM head's with fp8_linears=all) run at the float8 peak, the rest
-    at bf16's (the casts and scales are not counted: an upper bound until measured on a GPU)."""
+    at bf16's (the casts and scales are not counted: an upper bound until measured on a GPU). Under context
+    parallelism the attention term is (2 cp + 1) / (2 cp) of the causal count: each query chunk's masked block
+    over the keys before its end (hybridpar/parallel/context.py)."""
     m, parts, layout = plan.m, plan.flops, plan.layout
     ckpt = _checkpointed_blocks(plan)
     # a fully checkpointed block recomputes its forward up to the down projection's input: recomputation stops once
@@ -425,6 +427,8 @@ def compute_time(plan: Plan, gpu: GPU) -> dict:
     fp8_mm = (blocks + (parts["head"] if plan.fp8_linears == "all" else 0)) if fp8 else 0
     tokens = plan.global_batch * plan.seq_len / layout.dp / layout.cp / layout.tp / 1e12  # this TP group's, a step
     gemm = ((blocks + parts["head"] - fp8_mm) / gpu.peak_tflops + fp8_mm / (gpu.peak_fp8_tflops or 1.0)) * tokens
+    if layout.cp > 1:  # each query chunk's masked block over its keys: (2 cp + 1) / (4 cp) of dense, not 1/2
+        attention *= (2 * layout.cp + 1) / (2 * layout.cp)
     attn = attention / gpu.peak_tflops * tokens
     rate = gemm_efficiency(plan.tokens, m.d_model / layout.tp)
     return {"compute_s": gemm / rate + attn / ATTENTION_EFFICIENCY, "compute_at_peak_s": gemm + attn,
@@ -456,6 +460,20 @@ def tp_time(plan: Plan, gpu: GPU) -> float:
     return plan.n_micro * per_micro
 
 
+def cp_time(plan: Plan, gpu: GPU) -> float:
+    """Context parallelism's collectives, per layer and microbatch: the all-gather of the keys and values (2 x micro
+    x seq_len x kv_heads / tp x head_dim elements gathered) in forward, again in each recomputed forward (fully
+    checkpointed blocks; under selective checkpointing every block), and the reduce-scatter of their gradients in
+    backward; over NVLink (cp x tp inside a node, which resolve checks); not overlapped (each is waited for where
+    attention needs it)."""
+    cp, m = plan.layout.cp, plan.m
+    if cp == 1:
+        return 0.0
+    gathered = 2 * plan.micro * plan.seq_len * m.kv_heads // plan.layout.tp * m.head_dim * plan.a
+    recomputed = m.n_layers if plan.ac == "selective" else _checkpointed_blocks(plan)
+    return plan.n_micro * (2 * m.n_layers + recomputed) * _ring(gathered, cp, gpu.nvlink_gbps)
+
+
 def fsdp_time(plan: Plan, gpu: GPU, gpus_per_node: int, compute: float) -> dict:
     """All-gathers of the bf16 parameters and fp32 reduce-scatters of the gradients: with unsharded accumulation
     (or one microbatch) forward gathers once, backward once per microbatch with full_shard, and one reduce-scatter
@@ -472,10 +490,10 @@ def fsdp_time(plan: Plan, gpu: GPU, gpus_per_node: int, compute: float) -> dict:
     gathered = all_gather_bytes(plan)
     out = {"fsdp_comm_s": 0.0, "fsdp_exposed_s": 0.0, "all_gather_bytes": gathered, "fsdp_gather_bytes": 0,
            "fsdp_scatter_bytes": 0}
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:
         return out
-    params_tp = plan.sizes.tp_params
-    shard_bw = gpu.nvlink_gbps if layout.dp_shard * layout.tp <= gpus_per_node else gpu.internode_gbps
+    params_tp, shard = plan.sizes.tp_params, layout.fsdp  # (FSDP shards over dp_shard x cp)
+    shard_bw = gpu.nvlink_gbps if shard * layout.tp <= gpus_per_node else gpu.internode_gbps
     root = root_gather_bytes(plan)
     blocks = gathered - root
     # the blocks' gathers (forward, and backward when resharded after forward); the root's, once a forward
@@ -485,12 +503,12 @@ def fsdp_time(plan: Plan, gpu: GPU, gpus_per_node: int, compute: float) -> dict:
         gathers, root_gathers, scatters = n_micro * (2 if reshard is True else 1), n_micro, n_micro
     grad_bytes = 8 if plan.exact else 4  # (the mode reduces int64: hybridpar.parallel.exact)
     gather_bytes, scatter_bytes = gathers * blocks + root_gathers * root, scatters * params_tp * grad_bytes
-    fsdp = _ring(gather_bytes, layout.dp_shard, shard_bw) + _ring(scatter_bytes, layout.dp_shard, shard_bw)
+    fsdp = _ring(gather_bytes, shard, shard_bw) + _ring(scatter_bytes, shard, shard_bw)
     if not isinstance(reshard, bool):  # backward's all-gathers of the blocks within groups of N ranks
         group_bw = gpu.nvlink_gbps if reshard * layout.tp <= gpus_per_node else gpu.internode_gbps
         fsdp += n_micro * _ring(blocks, reshard, group_bw)
     rep_bw = gpu.nvlink_gbps if layout.world <= gpus_per_node else gpu.internode_gbps
-    fsdp += _ring(params_tp * grad_bytes / layout.dp_shard, layout.dp_replicate, rep_bw, all_reduce=True)
+    fsdp += _ring(params_tp * grad_bytes / shard, layout.dp_replicate, rep_bw, all_reduce=True)
     return {**out, "fsdp_comm_s": fsdp, "fsdp_exposed_s": exposed_fsdp(fsdp, compute),
             "fsdp_gather_bytes": gather_bytes, "fsdp_scatter_bytes": scatter_bytes}
 
@@ -529,8 +547,8 @@ def overhead_time(plan: Plan) -> float:
     return plan.n_micro * m.n_layers * (kernels * LAUNCH_S + (FSDP_HOOKS_S if plan.fsdp else 0.0))
 
 
-STEP_TERMS = ("compute_s", "eager_s", "selective_recompute_s", "tp_comm_s", "fsdp_exposed_s", "optimizer_s",
-              "muon_ns_s", "muon_comm_s", "per_microbatch_overhead_s")
+STEP_TERMS = ("compute_s", "eager_s", "selective_recompute_s", "tp_comm_s", "cp_comm_s", "fsdp_exposed_s",
+              "optimizer_s", "muon_ns_s", "muon_comm_s", "per_microbatch_overhead_s")
 
 
 def step_time(plan: Plan, gpu: GPU, gpus_per_node: int) -> dict:
@@ -540,6 +558,7 @@ def step_time(plan: Plan, gpu: GPU, gpus_per_node: int) -> dict:
     out = {**compute_time(plan, gpu), **eager_time(plan, gpu)}
     out.update(fsdp_time(plan, gpu, gpus_per_node, out["compute_s"]), **optimizer_time(plan, gpu, gpus_per_node),
                selective_recompute_s=selective_recompute_time(plan, gpu), tp_comm_s=tp_time(plan, gpu),
+               cp_comm_s=cp_time(plan, gpu),
                per_microbatch_overhead_s=overhead_time(plan))
     total = out["step_time_s"] = sum(out[k] for k in STEP_TERMS)
     tokens, fpt = plan.global_batch * plan.seq_len, sum(plan.flops.values())
