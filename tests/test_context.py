@@ -68,6 +68,8 @@ def _case(name: str) -> tuple[list[str], dict]:
     for part in parts:
         if part == "exact":
             argv += ["--parallel.exact_reduction", "true", "--train.micro_batch_size", "2"]
+        elif part == "fp8":  # emulated float8 matmuls (tensorwise scales), bf16 compute
+            argv += ["--train.fp8", "tensorwise", "--train.precision", "bf16"]
         elif part == "muon":  # Muon's matrices owned across dp_shard x cp, selective checkpointing re-gathering K/V
             argv += ["--optim.name", "muon", "--train.activation_checkpointing", "selective"]
         else:
@@ -106,7 +108,8 @@ def _worker(rank: int, world: int, init_file: str, cache_dir: str, cases, result
             weights = {plain_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else local_tensor(p)).detach()
                        for n, p in trainer.model.named_parameters()}
             trainer.data.close()
-            results[rank, name] = (losses, val, weights if rank == 0 else None)
+            keep = rank == 0 and "fp8" not in name  # (float8 weights are torchao tensor subclasses; not compared)
+            results[rank, name] = (losses, val, weights if keep else None)
         if world == 1:
             return
         # What each rank keeps for backward, on a plain model given the cp axis (FSDP changes no activation)
@@ -131,8 +134,8 @@ def _tiny(family: str) -> list[str]:
                                        "false"]
 
 
-WORLDS = {1: ["gpt", "modern", "modern-muon", "modern-exact"],
-          2: ["gpt-cp2", "modern-cp2", "modern-cp2-exact"],
+WORLDS = {1: ["gpt", "modern", "modern-muon", "modern-exact", "modern-fp8"],
+          2: ["gpt-cp2", "modern-cp2", "modern-cp2-exact", "modern-cp2-fp8"],
           4: ["gpt-cp4", "modern-cp4", "gpt-cp2-tp2", "modern-cp2-tp2", "gpt-cp2-dp2", "modern-cp2-dp2",
               "modern-cp2-dp2-muon", "modern-cp2-dp2-exact"]}
 
@@ -142,8 +145,9 @@ def test_every_cp_layout_trains_the_single_process_curve(tmp_path, cache_dir):
     """8 steps (fp32) of each family at cp 2, cp 4, cp 2 x tp 2 (sequence parallel) and cp 2 x dp_shard 2: losses
     and the validation loss within 1e-5 of one process's, weights within 1e-5 of each tensor's norm; Muon with
     selective checkpointing (its K/V gathers re-run in backward) at cp 2 x dp_shard 2 likewise; exact reduction:
-    cp 2 on dp_shard 1 and 2 bitwise equal (and within 1e-5 of one process). Then on the cp 2 and cp 4 worlds each
-    rank's saved activation bytes equal the planner's."""
+    cp 2 on dp_shard 1 and 2 bitwise equal (and within 1e-5 of one process); emulated float8 at cp 2 within 1e-3 of
+    one process's float8 (each rank scales its own tokens). Then on the cp 2 and cp 4 worlds each rank's saved
+    activation bytes equal the planner's."""
     from hybridpar.parallel.distributed import Layout
     from hybridpar.planning.cost import activation_bytes, plan_of
     from dataclasses import replace
@@ -156,11 +160,18 @@ def test_every_cp_layout_trains_the_single_process_curve(tmp_path, cache_dir):
             family = name.split("-")[0]
             ref = "-".join(p for p in name.split("-") if not p[:2] in ("cp", "tp", "dp"))
             want_losses, want_val, want_weights = results[0, ref]
+            # float8's tensorwise scales are each rank's amax: of its own tokens under cp, so cp 2 rounds the
+            # activations' casts differently from one process (2e-4 at most measured; bf16 alone is 1e-5)
+            rtol = 1e-3 if name.endswith("fp8") and world > 1 else 1e-5
             for rank in range(world):
                 losses, val, _ = results[rank, name]
-                assert len(losses) == STEPS and all(abs(a / b - 1) <= 1e-5 for a, b in zip(losses, want_losses)), \
+                assert len(losses) == STEPS and all(abs(a / b - 1) <= rtol for a, b in zip(losses, want_losses)), \
                     (name, rank, losses, want_losses)
-                assert abs(val / want_val - 1) <= 1e-5, (name, val, want_val)
+                assert abs(val / want_val - 1) <= rtol, (name, val, want_val)
+            if name.endswith("fp8"):
+                if world > 1:
+                    assert max(abs(a / b - 1) for a, b in zip(results[0, name][0], want_losses)) > 1e-5  # (it shows)
+                continue
             weights = results[0, name][2]
             assert sorted(weights) == sorted(want_weights)
             for n, w in want_weights.items():
