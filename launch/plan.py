@@ -113,7 +113,8 @@ def print_report(out: dict) -> None:
     if out.get("layout_choice"):
         print(out["layout_choice"])
     print(f"{out['model']} on {out['nodes']} x {out['gpus_per_node']} {out['gpu']} | dp_replicate "
-          f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']} | batch {out['global_batch_size']} "
+          f"{lay['dp_replicate']} x dp_shard {lay['dp_shard']}" + (f" x cp {lay['cp']}" if lay["cp"] > 1 else "")
+          + f" x tp {lay['tp']} | batch {out['global_batch_size']} "
           f"x {out['seq_len']}, micro {out['micro_batch_size']}, {out['precision']}, AC {out['activation_checkpointing']}, "
           f"accumulate_unsharded {out['accumulate_unsharded']}")
     print(f"memory of rank {out['rank']}:")
@@ -121,7 +122,7 @@ def print_report(out: dict) -> None:
         print(f"  {key:<13}{g(out[key + '_bytes_per_gpu'])}")
     print(f"  usable       {g(out['usable_bytes_per_gpu'])}  -> {'fits' if out['fits'] else 'DOES NOT FIT'}")
     print(f"step time (estimate) {out['step_time_s']:.3f} s = compute {out['compute_s']:.3f} + TP "
-          f"{out['tp_comm_s']:.3f} + exposed FSDP {out['fsdp_exposed_s']:.3f} (of {out['fsdp_comm_s']:.3f}) + "
+          f"{out['tp_comm_s']:.3f} + CP {out['cp_comm_s']:.3f} + exposed FSDP {out['fsdp_exposed_s']:.3f} (of {out['fsdp_comm_s']:.3f}) + "
           f"selective recompute {out['selective_recompute_s']:.3f} + eager elementwise {out['eager_s']:.3f} + "
           f"optimizer {out['optimizer_s'] + out['muon_ns_s'] + out['muon_comm_s']:.3f} + per-microbatch overhead "
           f"{out['per_microbatch_overhead_s']:.3f} | {out['tokens_per_sec']:,.0f} tokens/s, MFU {out['mfu']:.0%}"
