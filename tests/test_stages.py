@@ -309,6 +309,7 @@ def test_a_stage_raising_seq_len_resumes_on_cp_and_a_cp_checkpoint_back_on_one_p
             {s: _samples({0: rows[s]})[0][:keep] for s in steps}
         for s in steps:
             assert got[s]["loss"] == pytest.approx(rows[s]["loss"], rel=1e-5), s
+            assert got[s]["consumed_tokens"] == rows[s]["consumed_tokens"]  # (the global batch's, on any layout)
         return got
 
     boundary = tmp / "cp-from-boundary"
