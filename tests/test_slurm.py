@@ -91,7 +91,7 @@ def test_sbatch_two_nodes_hsdp_tp2_matches_one_process(slurm, reference, tmp_pat
     job = _wait(jid, lambda j: j.get("JobState") in ENDED)
     stdout = (tmp_path / f"hp-2node-{jid}.out").read_text()
     assert job["JobState"] == "COMPLETED", stdout[-3000:] + (tmp_path / f"hp-2node-{jid}.err").read_text()[-3000:]
-    assert "4 rank(s) on 2 host(s)" in stdout and "'dp_replicate': 2, 'dp_shard': 1, 'tp': 2" in stdout
+    assert "4 rank(s) on 2 host(s)" in stdout and "'dp_replicate': 2, 'dp_shard': 1, 'cp': 1, 'tp': 2" in stdout
     got = loss_curve(run_dir)
     assert sorted(got) == sorted(reference)
     for step, want in reference.items():
@@ -116,7 +116,7 @@ def test_srun_without_torchrun_reads_slurm_variables(slurm, reference, tmp_path,
     job = _wait(jid, lambda j: j.get("JobState") in ENDED)
     stdout = (tmp_path / f"hp-srun-{jid}.out").read_text()
     assert job["JobState"] == "COMPLETED", stdout[-3000:]
-    assert "4 rank(s) on 2 host(s)" in stdout and "'dp_shard': 2, 'tp': 2" in stdout
+    assert "4 rank(s) on 2 host(s)" in stdout and "'dp_shard': 2, 'cp': 1, 'tp': 2" in stdout
     got = loss_curve(run_dir)
     for step, want in reference.items():
         assert abs(got[step] - want) <= 1e-5 * abs(want), (got, reference)
