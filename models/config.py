@@ -52,6 +52,15 @@ class ModelConfig:
     tie_embeddings: bool = doc(True, "share the input embedding with the LM head")
     dropout: float = doc(0.0, "dropout on attention probabilities and residual branches")
     init_std: float = doc(0.02, "std of the normal init; residual output projections get std/sqrt(2*n_layers)")
+    n_experts: int = doc(0, "routed experts of each block's mixture-of-experts feed-forward (models/moe.py); 0 = a "
+                            "dense MLP")
+    moe_top_k: int = doc(2, "experts each token is routed to")
+    moe_ffn_hidden_size: Optional[int] = doc(None, "each expert's SwiGLU width; None = model.ffn_hidden_size's")
+    n_shared_experts: int = doc(0, "shared experts every token also goes through (one SwiGLU of n x the expert width)")
+    moe_router: Literal["softmax", "sigmoid"] = doc("softmax", "router scores: softmax top-k renormalised "
+                                                               "(Mixtral) or sigmoid top-k renormalised (DeepSeek-V3)")
+    moe_aux_loss_coef: float = doc(0.01, "weight of the per-sequence load-balance loss (0: off)")
+    moe_z_loss_coef: float = doc(0.001, "weight of the router z-loss, the mean squared log-sum-exp of its logits")
 
     def __post_init__(self):
         self.validate()
@@ -71,6 +80,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_dim
 
     @property
     def ffn_dim(self) -> int:
@@ -108,6 +121,16 @@ class ModelConfig:
             raise ValueError(f"model.gelu_approx={self.gelu_approx!r}: use 'tanh' (GPT-2) or 'none' (exact erf)")
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"model.mlp={self.mlp!r}: use 'gelu' or 'swiglu'")
+        if self.n_experts < 0 or self.n_shared_experts < 0:
+            raise ValueError(f"model.n_experts={self.n_experts} and model.n_shared_experts={self.n_shared_experts} "
+                             f"must be 0 or more")
+        if self.n_experts:
+            if self.mlp != "swiglu":
+                raise ValueError(f"model.n_experts={self.n_experts}: the experts are SwiGLU MLPs; set model.mlp "
+                                 f"swiglu")
+            if not 1 <= self.moe_top_k <= self.n_experts:
+                raise ValueError(f"model.moe_top_k={self.moe_top_k} must lie between 1 and model.n_experts="
+                                 f"{self.n_experts}")
 
 
 MODEL_FIELDS = tuple(f.name for f in fields(ModelConfig))

@@ -20,6 +20,7 @@ from torch import nn
 from .config import ModelConfig
 from .init import keyed_normal_
 from .kv_cache import KVCache, LayerCache
+from .moe import MoE
 
 
 class Where(NamedTuple):
@@ -155,8 +156,10 @@ class Block(nn.Module):
         self.attn_norm = _norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = _norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = (MoE(cfg.d_model, cfg.n_experts, cfg.moe_top_k, cfg.expert_dim, cfg.n_shared_experts,
+                        cfg.moe_router) if cfg.n_experts else MLP(cfg))
         self.drop = nn.Dropout(cfg.dropout)
+        self.moe_stats = None  # the last forward's routing statistics (models/moe.py), with experts
 
     def forward(self, x: torch.Tensor, where: Where) -> torch.Tensor:
         x = x + self.attn_branch(x, where)
@@ -167,6 +170,9 @@ class Block(nn.Module):
         return self.drop(self.attn(self.attn_norm(x), where))
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.mlp, MoE):
+            out, self.moe_stats = self.mlp(self.mlp_norm(x))
+            return self.drop(out)
         return self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -203,9 +209,13 @@ class GPT(nn.Module):
         for name, mod in self.named_modules():
             prefix = f"{name}." if name else ""
             if isinstance(mod, nn.Linear):
-                table[prefix + "weight"] = ("normal", resid_std if name.endswith(("attn.wo", "mlp.down")) else std)
+                table[prefix + "weight"] = ("normal", resid_std if name.endswith(("attn.wo", "mlp.down", "shared.down"))
+                                            else std)
                 if mod.bias is not None:
                     table[prefix + "bias"] = ("zeros", 0.0)
+            elif isinstance(mod, MoE):  # the stacked experts: their down projection is a residual output
+                table.update({prefix + "w_gate": ("normal", std), prefix + "w_up": ("normal", std),
+                              prefix + "w_down": ("normal", resid_std)})
             elif isinstance(mod, nn.Embedding):
                 table[prefix + "weight"] = ("normal", std)
             elif isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
@@ -233,11 +243,27 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Non-parameter state computed from the config (RoPE tables)."""
+        """Non-parameter state computed from the config (RoPE tables), and the experts' selection biases at their
+        start (zero; a checkpoint's replace them)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.expert_bias.zero_()
         if self.cfg.position == "rope":
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+
+    def moe_loss(self) -> torch.Tensor | float:
+        """The last forward's router losses in the units of a summed token loss: per block, moe_aux_loss_coef x T x
+        the per-sequence balance losses' sum (so that over the global batch's tokens it is their mean over
+        sequences) plus moe_z_loss_coef x the z-loss summed over tokens; 0 for a dense model."""
+        total = 0.0
+        for layer in self.layers:
+            stats = getattr(layer, "moe_stats", None)
+            if stats is not None:
+                total = total + self.cfg.moe_aux_loss_coef * stats["tokens_per_sequence"] * stats["balance_loss"] \
+                    + self.cfg.moe_z_loss_coef * stats["z_loss"]
+        return total
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `length` slots (forward(..., cache=))."""
@@ -277,5 +303,6 @@ class GPT(nn.Module):
             cache.end(valid)
         h = self.norm(h)
         if targets is not None:
-            return linear_cross_entropy(h, self.lm_head.weight, targets, loss_chunk_tokens)
+            loss = linear_cross_entropy(h, self.lm_head.weight, targets, loss_chunk_tokens)
+            return loss + self.moe_loss() if self.training else loss  # (the router losses train, not evaluate)
         return self.lm_head(h)  # (B, T, V)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts feed-forward for the modern family (work in progress, issue 63: not wired into GPT yet).
+"""Mixture-of-experts feed-forward for the modern family (work in progress, issue 63).
 
 A router scores each token against E experts; the token goes to its top-k, weighted by their renormalised scores
 (softmax, as Mixtral; or sigmoid, as DeepSeek-V3), each expert a SwiGLU MLP of width expert_ffn. The experts' weights
@@ -94,5 +94,6 @@ class MoE(nn.Module):
         per_seq = F.one_hot(chosen, self.n_experts).reshape(B, T * self.top_k, self.n_experts).sum(1).float()
         f = per_seq * self.n_experts / (self.top_k * T)
         p = probs.reshape(B, T, self.n_experts).mean(1)
-        stats = {"counts": counts_t.detach(), "balance_loss": (f * p).sum(), "z_loss": logits.logsumexp(-1).square().sum()}
+        stats = {"counts": counts_t.detach(), "balance_loss": (f * p).sum(), "tokens_per_sequence": T,
+                 "z_loss": logits.logsumexp(-1).square().sum()}
         return out.reshape(B, T, H), stats

@@ -47,7 +47,8 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def logits_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw) -> torch.Tensor:
     """The plain path: the model's logits, then token_loss_sum (under loss_parallel for vocab-sharded logits). kw:
     the model's other arguments (context parallelism's positions)."""
-    return token_loss_sum(model(x, **kw), y)
+    loss = token_loss_sum(model(x, **kw), y)
+    return loss + model.moe_loss() if model.training else loss  # (a mixture of experts' router losses, training)
 
 
 def chunked_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 4096, **kw) -> torch.Tensor:
