@@ -20,7 +20,7 @@ from torch import nn
 from .config import ModelConfig
 from .init import keyed_normal_
 from .kv_cache import KVCache, LayerCache
-from .moe import MoE
+from .moe import Experts, MoE
 
 
 class Where(NamedTuple):
@@ -159,7 +159,6 @@ class Block(nn.Module):
         self.mlp = (MoE(cfg.d_model, cfg.n_experts, cfg.moe_top_k, cfg.expert_dim, cfg.n_shared_experts,
                         cfg.moe_router) if cfg.n_experts else MLP(cfg))
         self.drop = nn.Dropout(cfg.dropout)
-        self.moe_stats = None  # the last forward's routing statistics (models/moe.py), with experts
 
     def forward(self, x: torch.Tensor, where: Where) -> torch.Tensor:
         x = x + self.attn_branch(x, where)
@@ -170,9 +169,6 @@ class Block(nn.Module):
         return self.drop(self.attn(self.attn_norm(x), where))
 
     def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.mlp, MoE):
-            out, self.moe_stats = self.mlp(self.mlp_norm(x))
-            return self.drop(out)
         return self.drop(self.mlp(self.mlp_norm(x)))
 
 
@@ -186,6 +182,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = _norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.moe_loss_sum = None  # set from outside where ranks hold parts of a sequence's tokens (GPT.moe_loss)
         if cfg.position == "rope":
             # Not persistent: derived from the config, recomputed by init_weights() after a meta-device build.
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
@@ -213,7 +210,7 @@ class GPT(nn.Module):
                                             else std)
                 if mod.bias is not None:
                     table[prefix + "bias"] = ("zeros", 0.0)
-            elif isinstance(mod, MoE):  # the stacked experts: their down projection is a residual output
+            elif isinstance(mod, Experts):  # the stacked experts: their down projection is a residual output
                 table.update({prefix + "w_gate": ("normal", std), prefix + "w_up": ("normal", std),
                               prefix + "w_down": ("normal", resid_std)})
             elif isinstance(mod, nn.Embedding):
@@ -248,22 +245,46 @@ class GPT(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, MoE):
                 layer.mlp.expert_bias.zero_()
+                layer.mlp.step_counts.zero_()
         if self.cfg.position == "rope":
             cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
     def moe_loss(self) -> torch.Tensor | float:
-        """The last forward's router losses in the units of a summed token loss: per block, moe_aux_loss_coef x T x
-        the per-sequence balance losses' sum (so that over the global batch's tokens it is their mean over
-        sequences) plus moe_z_loss_coef x the z-loss summed over tokens; 0 for a dense model."""
+        """The last (training) forward's router losses in the units of a summed token loss: per block,
+        moe_aux_loss_coef x T x the per-sequence balance losses' sum (so that over the global batch's tokens it is
+        their mean over sequences) plus moe_z_loss_coef x the z-loss summed over tokens; 0 for a dense model. Each
+        block's expert counts are added to its step_counts here, once per training forward (a recomputation under
+        activation checkpointing does not come here). Where a rank holds part of its sequences' tokens (tensor
+        parallelism's token shards), moe_loss_sum adds the other parts' values in (not their gradients), so that
+        every such rank reports the same loss."""
         total = 0.0
         for layer in self.layers:
-            stats = getattr(layer, "moe_stats", None)
+            stats = getattr(layer.mlp, "stats", None)
             if stats is not None:
+                layer.mlp.step_counts += stats["counts"]
                 total = total + self.cfg.moe_aux_loss_coef * stats["tokens_per_sequence"] * stats["balance_loss"] \
                     + self.cfg.moe_z_loss_coef * stats["z_loss"]
+        if self.moe_loss_sum is not None and isinstance(total, torch.Tensor):
+            mine = total.detach()
+            total = total + (self.moe_loss_sum(mine.clone()) - mine)
         return total
+
+    def moe_blocks(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    @torch.no_grad()
+    def take_expert_counts(self) -> torch.Tensor | None:
+        """(blocks, E) tokens per expert of the training forwards since the last take (this rank's), reset to zero;
+        None for a dense model."""
+        moe = self.moe_blocks()
+        if not moe:
+            return None
+        counts = torch.stack([m.step_counts.clone() for m in moe])
+        for m in moe:
+            m.step_counts.zero_()
+        return counts
 
     def new_cache(self, batch: int, length: int) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `length` slots (forward(..., cache=))."""
