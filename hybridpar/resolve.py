@@ -43,6 +43,7 @@ from hybridpar.metrics import wandb_mode
 from hybridpar.parallel import check_layout
 from hybridpar.parallel.fp8 import check_fp8
 from hybridpar.parallel.context import check_cp
+from hybridpar.parallel.experts import check_moe
 from hybridpar.parallel.distributed import (Layout, WorldInfo, gpus_per_node, pick_device, resolve_degrees,
                                             start_process_group, world_from_env)
 from hybridpar.planning.layouts import (check_auto, choose_layout, describe_choice, gpu_by_name, settle_memory,
@@ -256,6 +257,7 @@ def resolve(cfg: Config, world: WorldInfo, device: torch.device, own_run_dir: bo
             cfg = replace(cfg, parallel=parallel, train=train)
             stages = stage_plan(cfg, tp)
         check_layout(cfg, (dp_replicate, dp_shard, tp), node)
+        check_moe(cfg, layout, [cfg.train.seq_len, *(stages.seq_lens if stages else ())])
         cfg = replace(cfg, train=replace(train, micro_batch_size=micro_batch_size_for(cfg, layout.dp)))
         check_exact(cfg)
         refuse = gpu is None and device.type == "cuda" and cfg.train.memory_check  # refuse what cannot fit, now

@@ -30,6 +30,7 @@ from hybridpar.inference.tasks import load_tasks
 from hybridpar.metrics import MetricsLogger, StepProfiler, compile_summary, start_lines
 from hybridpar.parallel import start_notes
 from hybridpar.parallel.distributed import dp_rank_size, dp_sum, set_numerics
+from hybridpar.parallel.experts import scale_moe_grads
 from hybridpar.parallel.startup import build_parallel_model
 from hybridpar.planning.flops import Throughput
 from hybridpar.resolve import Run
@@ -54,6 +55,7 @@ class Trainer:
         if cfg.train.compile and self.rank == 0:
             torch._logging.set_logs(recompiles=True)  # a recompilation says which guard failed, when it happens
         self.log: MetricsLogger | None = None  # opened by fit() (or the session)
+        self.expert_counts: torch.Tensor | None = None  # a mixture of experts' last step: (blocks, E) tokens
         for note in start_notes(cfg, device):
             self.say(note)
         t0 = time.perf_counter()
@@ -157,10 +159,15 @@ class Trainer:
         microbatches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
                         for x, y in host]
         self.clock.waited(time.perf_counter() - t0)
+        moe = self.cfg.model.n_experts > 0
+        if moe:
+            self.model.take_expert_counts()  # (what an abandoned attempt at this step counted)
         # without checkpointing nothing is saved at the step's end: a stop need not wait for it (minutes on CPU)
         loss, self.state.exact_bounds = step_gradients(
             self.model, microbatches, n, red, self.state.exact_bounds, seed, self.dp_sum, self.device,
             lambda: self.stop.requested and cfg.checkpoint.interval == 0)
+        if moe:
+            scale_moe_grads(self.model)  # (its FSDP units average over other meshes than the dense ones)
         local = self.recovery.local_numbers(loss, self.model)
         grad_norm = clip_grad_norm(self.model, cfg.train.grad_clip, red.grad_norm).reshape(()).float()
         # (norm, stop vote, global loss when spikes are tested): read by read_status(), now or one step late
@@ -169,6 +176,11 @@ class Trainer:
             parts.append(self.dp_sum(loss.detach().clone().reshape(())).float())  # (exact mode: summed in float64)
         self.status.push(step + 1, torch.stack(parts), local)
         optimizer_step(self.optimizer, grad_norm, self.read_status)  # (unfused: the status read now)
+        if moe:  # the step's tokens per expert over the whole batch (every rank's), then the bias update
+            self.expert_counts = self.model.take_expert_counts()
+            dist.all_reduce(self.expert_counts)
+            if cfg.model.moe_bias_update_rate > 0:
+                self.model.update_expert_bias(self.expert_counts, cfg.model.moe_bias_update_rate)
         return loss, grad_norm, lr
 
     def advance(self, step: int, rotate: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:

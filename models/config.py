@@ -61,6 +61,9 @@ class ModelConfig:
                                                                "(Mixtral) or sigmoid top-k renormalised (DeepSeek-V3)")
     moe_aux_loss_coef: float = doc(0.01, "weight of the per-sequence load-balance loss (0: off)")
     moe_z_loss_coef: float = doc(0.001, "weight of the router z-loss, the mean squared log-sum-exp of its logits")
+    moe_bias_update_rate: float = doc(0.0, "DeepSeek-V3's aux-loss-free balance: each optimizer step moves every "
+                                           "expert's selection bias by this much towards the under-loaded experts "
+                                           "(their step's token counts over the whole batch); 0 = off, 1e-3 = V3's")
 
     def __post_init__(self):
         self.validate()
@@ -128,6 +131,10 @@ class ModelConfig:
             if self.mlp != "swiglu":
                 raise ValueError(f"model.n_experts={self.n_experts}: the experts are SwiGLU MLPs; set model.mlp "
                                  f"swiglu")
+            if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0 or self.moe_bias_update_rate < 0:
+                raise ValueError(f"model.moe_aux_loss_coef={self.moe_aux_loss_coef}, moe_z_loss_coef="
+                                 f"{self.moe_z_loss_coef} and moe_bias_update_rate={self.moe_bias_update_rate} must "
+                                 f"be 0 or more")
             if not 1 <= self.moe_top_k <= self.n_experts:
                 raise ValueError(f"model.moe_top_k={self.moe_top_k} must lie between 1 and model.n_experts="
                                  f"{self.n_experts}")

@@ -286,6 +286,14 @@ class GPT(nn.Module):
             m.step_counts.zero_()
         return counts
 
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's aux-loss-free balance, once per optimizer step: each block's expert_bias moves by `rate`
+        towards the experts that got fewer than the mean of the step's tokens (counts (blocks, E): the whole global
+        batch's, every rank's summed), away from those that got more."""
+        for moe, c in zip(self.moe_blocks(), counts):
+            moe.expert_bias += rate * torch.sign(c.mean() - c)
+
     def new_cache(self, batch: int, length: int) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `length` slots (forward(..., cache=))."""
         return KVCache(len(self.layers), batch, length, self.cfg.max_seq_len, self.tok_embeddings.weight.device)

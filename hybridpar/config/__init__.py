@@ -36,6 +36,8 @@ class ParallelConfig:
     cp: int = doc(1, "context-parallel degree: each sequence split over cp ranks (two chunks each, i and 2cp-1-i, "
                      "so causal attention's work is even), keys and values all-gathered over them; FSDP shards over "
                      "dp_shard x cp (docs/parallelism.md#context-parallelism)")
+    ep: int = doc(1, "expert-parallel degree of a mixture of experts: groups of ep ranks inside dp_shard x cp hold "
+                     "model.n_experts / ep experts each and exchange tokens by all-to-all (docs/moe.md)")
     backend: Optional[str] = doc(None, "process-group backend; None = nccl on CUDA, gloo on CPU")
     sequence_parallel: bool = doc(True, "shard norms/dropout/residuals along the sequence between TP regions (when tp > 1)")
     fsdp_strategy: Union[Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"], int] = doc(
@@ -69,6 +71,8 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name}={v} must be a positive degree or -1 (fill the rest)")
         if self.cp < 1:
             raise ValueError(f"parallel.cp={self.cp} must be a positive degree (1: no context parallelism)")
+        if self.ep < 1:
+            raise ValueError(f"parallel.ep={self.ep} must be a positive degree (1: no expert parallelism)")
         if [self.dp_replicate, self.dp_shard, self.tp].count(-1) > 1:
             raise ValueError("only one of parallel.dp_replicate, dp_shard, tp may be -1")
         if not 0 < self.timeout_minutes <= 43200:  # timedelta overflows long before 1e300 minutes

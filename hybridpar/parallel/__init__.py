@@ -71,8 +71,9 @@ def uses_fsdp(cfg: Config, dp: int) -> bool:
     """fully_shard wraps the model when there is data parallelism, and for bf16 on any mesh (1x1 included): its
     MixedPrecisionPolicy gives bf16 compute with fp32 master weights and fp32 gradient reduction, so one GPU and
     many run the same numerics (autocast would keep an fp32 residual stream, save one bf16 copy of a norm's output
-    per projection and cache bf16 copies of every weight until backward)."""
-    return dp > 1 or cfg.train.precision == "bf16"
+    per projection and cache bf16 copies of every weight until backward). A mixture of experts under tp needs it
+    too: its tp ranks hold different tokens, and its FSDP units sum their gradients over them."""
+    return dp > 1 or cfg.train.precision == "bf16" or (cfg.model.n_experts > 0 and cfg.parallel.tp > 1)
 
 
 def _ops(*names: tuple[str, str]) -> frozenset:
@@ -161,6 +162,10 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
         # would not see through: only without either.
         plain = cfg.train.activation_checkpointing == "none" and not cfg.train.compile
         apply_tp(model, mesh["tp"], cfg.parallel.sequence_parallel, keep_shards_in_blocks=plain)
+    emesh = None
+    if cfg.model.n_experts:  # tp token shards, sequence statistics over cp x tp, experts over ep groups
+        from hybridpar.parallel.experts import apply_moe
+        emesh = apply_moe(model, mesh, cfg.parallel.ep, cfg.parallel.sequence_parallel)
     if mesh["cp"].size() > 1:  # attention's keys and values from every cp rank's chunks
         from hybridpar.parallel.context import apply_cp
         apply_cp(model, mesh["cp"])
@@ -174,7 +179,7 @@ def parallelize_gpt(model: nn.Module, mesh: DeviceMesh, cfg: Config) -> nn.Modul
     replicas_only = (cfg.parallel.exact_reduction and mesh["dp_shard"].size() * mesh["cp"].size() == 1
                      and cfg.train.precision != "bf16")
     if uses_fsdp(cfg, dp) and not replicas_only:
-        apply_fsdp(model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16")
+        apply_fsdp(model, mesh, cfg.parallel, bf16=cfg.train.precision == "bf16", expert_mesh=emesh)
     return model
 
 

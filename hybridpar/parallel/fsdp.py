@@ -44,12 +44,14 @@ def reshard_after_forward(cfg: ParallelConfig) -> bool | int:
     return cfg.fsdp_strategy if isinstance(cfg.fsdp_strategy, int) else cfg.fsdp_strategy != "shard_grad_op"
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bool,
+               expert_mesh: DeviceMesh | None = None) -> nn.Module:
     """fully_shard each block, then the root (embeddings, final norm, LM head), in place.
 
     Prefetch: FSDP2 by itself issues the all-gather of the next block when the current one starts (forward) or
     finishes (backward). parallel.fsdp_prefetch = k > 1 lists the next k blocks explicitly, so k all-gathers are
     in flight ahead of compute (more overlap on slow links, k blocks' unsharded parameters held at once).
+    A mixture of experts' units (hybridpar.parallel.experts.apply_moe_fsdp) are wrapped first, on expert_mesh.
     """
     dp_mesh = dp_mesh_of(mesh)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
@@ -57,6 +59,12 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, bf16: bo
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cfg.fsdp_cpu_offload else OffloadPolicy()
     reshard = reshard_after_forward(cfg)
     blocks = list(model.layers)
+    if expert_mesh is not None:
+        from hybridpar.parallel.experts import apply_moe_fsdp
+
+        dense_dp = dp_mesh.size()
+        apply_moe_fsdp(model, mesh, expert_mesh, dense_dp, mp_policy=mp, offload_policy=offload,
+                       reshard_after_forward=reshard)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     # The root's parameters are needed again right after forward (LM head -> loss -> backward): keep them.

@@ -59,6 +59,8 @@ def gpt_tp_plan(model: nn.Module, sequence_parallel: bool) -> tuple[dict, dict]:
     }
     if model.cfg.mlp == "swiglu":
         block["mlp.gate"] = ColwiseParallel()
+    if model.cfg.n_experts:  # an MoE block takes its tp rank's tokens instead (hybridpar/parallel/experts.py)
+        block = {k: v for k, v in block.items() if not k.startswith("mlp") or k == "mlp_norm"}
     return ({k: v for k, v in top.items() if v is not None}, {k: v for k, v in block.items() if v is not None})
 
 
@@ -79,4 +81,5 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool,
         if keep_shards_in_blocks:
             for layer in model.layers:
                 keep_sequence_shard(layer.attn)
-                keep_sequence_shard(layer.mlp)
+                if not model.cfg.n_experts:
+                    keep_sequence_shard(layer.mlp)

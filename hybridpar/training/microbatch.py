@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from hybridpar.data.gpt_data import IGNORE_INDEX
 from hybridpar.parallel import autocast_for
@@ -48,7 +49,12 @@ def logits_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw) -> tor
     """The plain path: the model's logits, then token_loss_sum (under loss_parallel for vocab-sharded logits). kw:
     the model's other arguments (context parallelism's positions)."""
     loss = token_loss_sum(model(x, **kw), y)
-    return loss + model.moe_loss() if model.training else loss  # (a mixture of experts' router losses, training)
+    if not model.training:
+        return loss
+    moe = model.moe_loss()  # (a mixture of experts' router losses, training; the same value on each tp rank)
+    if isinstance(loss, DTensor) and isinstance(moe, torch.Tensor):  # loss parallel's replicated loss
+        moe = DTensor.from_local(moe, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
+    return loss + moe
 
 
 def chunked_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk_tokens: int = 4096, **kw) -> torch.Tensor:
