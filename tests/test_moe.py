@@ -117,3 +117,104 @@ def test_the_bias_changes_the_choice_not_the_weights():
 def test_top_k_beyond_the_experts_is_refused():
     with pytest.raises(ValueError, match="model.moe_top_k=7 must lie between 1 and model.n_experts=6"):
         MoE(32, 6, 7, 48)
+
+
+# -- on the mesh: expert parallelism, tp token shards, HSDP and cp, against one process (warm gloo worlds) ----------
+
+MOE = ["--train.global_batch_size", "8", "--train.micro_batch_size", "2", "--train.seq_len", "32",
+       "--train.precision", "fp32", "--logging.wandb.mode", "disabled", "--train.eval_interval", "1000",
+       "--train.eval_batches", "2", "--train.sample_tokens", "0", "--model.name", "gpt-modern-1b",
+       "--model.n_layers", "2", "--model.d_model", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+       "--model.n_experts", "8", "--model.moe_top_k", "2", "--model.moe_ffn_hidden_size", "32",
+       "--model.moe_bias_update_rate", "0.01", "--optim.lr", "3e-3", "--optim.warmup_steps", "2"]
+SHARED = ["--model.n_shared_experts", "1"]
+LAYOUTS = {"ep2-in-dp_shard4": ["--parallel.dp_shard", "4", "--parallel.ep", "2"],
+           "ep4": ["--parallel.dp_shard", "4", "--parallel.ep", "4", *SHARED],
+           "ep2-tp2": ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.ep", "2", *SHARED],
+           "ep2-tp2-sp": ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.ep", "2",
+                          "--parallel.sequence_parallel", "true"],
+           "hsdp-ep2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--parallel.ep", "2"],
+           "cp2-ep2": ["--parallel.dp_shard", "2", "--parallel.cp", "2", "--parallel.ep", "2", *SHARED]}
+MOE_STEPS = 8
+
+
+def _moe_worker(rank: int, world: int, init_file: str, cache_dir: str, cases, results) -> None:
+    import torch.distributed as dist
+
+    from hybridpar.config.cli import load_config
+    from hybridpar.parallel.distributed import WorldInfo, init_mesh, local_tensor
+    from hybridpar.parallel.startup import plain_name
+    from hybridpar.resolve import resolve
+    from hybridpar.trainer import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for name, argv in cases:
+            cfg = load_config([*MOE, "--data.cache_dir", cache_dir, *argv])
+            run = resolve(cfg, WorldInfo(rank, world, rank, world), torch.device("cpu"))
+            trainer = Trainer(run, init_mesh(run.layout.degrees, run.device))
+            losses, counts = [], []
+            for step in range(MOE_STEPS):
+                loss, _, _ = trainer.train_step(step)
+                losses.append(float(trainer.dp_sum(loss.detach().clone())))
+                counts.append(trainer.expert_counts.tolist())
+            val = trainer.evaluator.validation()["val_loss"]
+            weights = {plain_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else local_tensor(p)).detach()
+                       for n, p in trainer.model.named_parameters()}
+            bias = [m.expert_bias.clone() for m in trainer.model.moe_blocks()]
+            trainer.data.close()
+            if rank == 0:
+                results[name] = (losses, val, weights, counts, bias)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_every_expert_parallel_layout_trains_the_single_process_curve(tmp_path, cache_dir):
+    """8 fp32 steps of a tiny MoE (modern family, GQA 4/2, 8 experts, top-2, with and without a shared expert, the
+    aux loss, z-loss and the bias update on) at ep 2 inside dp_shard 4, ep 4, ep 2 x tp 2 (with and without
+    sequence parallelism), HSDP with ep 2 and cp 2 x ep 2: losses and validation loss within 1e-5 of one process,
+    every weight within 1e-5 of its norm, the step's per-expert token counts and the selection biases equal."""
+    from warm import Results, spawn
+
+    results = Results()
+    spawn(_moe_worker, args=(1, str(tmp_path / "init1"), str(cache_dir), [("dense-e", []), ("shared", SHARED)],
+                             results), nprocs=1)
+    spawn(_moe_worker, args=(4, str(tmp_path / "init4"), str(cache_dir), list(LAYOUTS.items()), results), nprocs=4)
+    for name, argv in LAYOUTS.items():
+        ref = results["shared" if "--model.n_shared_experts" in argv else "dense-e"]
+        got = results[name]
+        assert ref[0][-1] < ref[0][0]  # it trains
+        for step, (a, b) in enumerate(zip(got[0], ref[0]), 1):
+            assert abs(a - b) <= 1e-5 * b, (name, step, a, b)
+        assert abs(got[1] - ref[1]) <= 1e-5 * ref[1], name
+        assert sorted(got[2]) == sorted(ref[2])
+        for n, w in ref[2].items():
+            err = float((got[2][n] - w).norm() / w.norm())
+            assert err <= 1e-5, (name, n, err)
+        assert got[3] == ref[3], name  # tokens per expert, every block, every step
+        assert all(torch.equal(a, b) for a, b in zip(got[4], ref[4])), name
+        assert any(float(b.abs().sum()) > 0 for b in ref[4])  # (the bias moved)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallel.ep", "3", "--model.n_experts", "6"], "parallel.ep=3 must divide the dp_shard x cp = 4 x 1 ranks"),
+    (["--parallel.ep", "4", "--model.n_experts", "6"], "parallel.ep=4 must divide model.n_experts=6"),
+    (["--parallel.ep", "2", "--model.n_experts", "0"], "parallel.ep=2 splits the experts of a mixture of experts, "
+                                                       "but model.n_experts=0"),
+    (["--model.n_experts", "4", "--train.fp8", "tensorwise", "--train.precision", "bf16"],
+     "model.n_experts=4: a mixture of experts does not run with train.fp8 yet"),
+    (["--model.n_experts", "4", "--optim.name", "muon"], "model.n_experts=4: a mixture of experts does not run with "
+                                                         "optim.name muon yet"),
+])
+def test_expert_layout_refusals_are_one_line(argv, message):
+    from hybridpar.config.cli import load_config
+    from hybridpar.errors import ConfigError
+    from hybridpar.parallel.distributed import Layout
+    from hybridpar.parallel.experts import check_moe
+
+    cfg = load_config(["--model.name", "gpt-modern-1b", "--model.moe_top_k", "2", *argv])
+    with pytest.raises(ConfigError, match="^" + message) as err:
+        check_moe(cfg, Layout(1, 4, 1, 1), [cfg.train.seq_len])
+    assert "\n" not in str(err.value)
