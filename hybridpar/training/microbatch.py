@@ -49,9 +49,10 @@ def logits_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw) -> tor
     """The plain path: the model's logits, then token_loss_sum (under loss_parallel for vocab-sharded logits). kw:
     the model's other arguments (context parallelism's positions)."""
     loss = token_loss_sum(model(x, **kw), y)
-    if not model.training:
+    router_losses = getattr(model, "moe_loss", None)  # (a GPT's; any other module: none)
+    if not model.training or router_losses is None:
         return loss
-    moe = model.moe_loss()  # (a mixture of experts' router losses, training; the same value on each tp rank)
+    moe = router_losses()  # (a mixture of experts' router losses, training; the same value on each tp rank)
     if isinstance(loss, DTensor) and isinstance(moe, torch.Tensor):  # loss parallel's replicated loss
         moe = DTensor.from_local(moe, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
     return loss + moe
