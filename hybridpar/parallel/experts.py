@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
 
 from hybridpar.errors import ConfigError
-from hybridpar.models.moe import Experts, MoE
+from hybridpar.models.moe import Experts
 
 
 def check_moe(cfg, layout, seq_lens: list[int]) -> None:
