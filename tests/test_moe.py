@@ -218,3 +218,4 @@ def test_expert_layout_refusals_are_one_line(argv, message):
     with pytest.raises(ConfigError, match="^" + message) as err:
         check_moe(cfg, Layout(1, 4, 1, 1), [cfg.train.seq_len])
     assert "\n" not in str(err.value)
+
