@@ -31,6 +31,7 @@ with sum reduction torch 2.13 divides twice.)
 from __future__ import annotations
 
 import warnings
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -78,13 +79,8 @@ def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
     rank order would put FSDP's shards in the wrong places)."""
     R, S, C, T = (mesh[a].size() for a in ("dp_replicate", "dp_shard", "cp", "tp"))
     D = S * C
-    G = D // ep
-    ranks = torch.empty(R, G * T, ep, dtype=torch.int64)
-    for r in range(R):
-        for g in range(G):
-            for t in range(T):
-                for e in range(ep):
-                    ranks[r, g * T + t, e] = (r * D + g * ep + e) * T + t
+    # rank ((r D + g ep + e) T + t), for group g, ep index e and tp rank t, sits at [r, g T + t, e]
+    ranks = torch.arange(R * D * T).reshape(R, D // ep, ep, T).transpose(2, 3).reshape(R, -1, ep)
     return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("dp_replicate", "efsdp", "ep"))
 
 
@@ -130,18 +126,12 @@ class ParallelExperts(Experts):
         send = [sum(c) for c in sent]
         recv = [sum(c) for c in got]
         rows = _AllToAll.apply(x, recv, send, self.group)  # by source rank, then by expert
-        # regroup by local expert: expert l's rows from rank 0, then rank 1, ...
-        starts, at = [], 0
-        for c in got:
-            starts.append(at)
-            at += sum(c)
-        pieces, sizes = [], []
-        for l in range(mine):
-            for j in range(ep):
-                begin = starts[j] + sum(got[j][:l])
-                pieces.append(torch.arange(begin, begin + got[j][l]))
-            sizes.append(sum(got[j][l] for j in range(ep)))
-        perm = torch.cat(pieces).to(x.device) if pieces else torch.zeros(0, dtype=torch.long, device=x.device)
+        # regroup by local expert: expert l's rows from rank 0, then rank 1, ... (the rows arrive by rank, then expert)
+        flat = [c for row in got for c in row]
+        starts = [0, *accumulate(flat)]
+        blocks = [(starts[j * mine + l], got[j][l]) for l in range(mine) for j in range(ep)]
+        perm = torch.cat([torch.arange(b, b + n) for b, n in blocks]).to(x.device)
+        sizes = [sum(got[j][l] for j in range(ep)) for l in range(mine)]
         w = [p.to_local() if isinstance(p, DTensor) else p for p in (self.w_gate, self.w_up, self.w_down)]
         y = self.compute(rows[perm], sizes, *w)
         y = y[perm.argsort()]  # back in arrival order
